@@ -1,0 +1,279 @@
+"""The checkpoint store: write, commit, list, verify, load, retain; plus the asynchronous writer.
+
+Commit protocol (``checkpoints/step_NNNNNNNNN/``): every file is written first, then ``manifest.json``
+with the sha256 and size of each file, last and atomically. A checkpoint exists only once its manifest
+does and its checksums verify; "latest" is the highest verified step, and a torn or corrupt one is skipped
+(and reported), never loaded. Retention deletes a manifest before its files. Loading uses
+``torch.load(..., weights_only=True)``: a checkpoint is data, never code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cluster.errors import CheckpointError, StorageError
+from cluster.storage import Storage
+
+MANIFEST = "manifest.json"
+CKPT_DIR = "checkpoints"
+FORMAT_VERSION = 1
+
+
+def step_dir(step: int) -> str:
+    return f"{CKPT_DIR}/step_{step:09d}"
+
+
+def _parse_step(name: str) -> int | None:
+    if not name.startswith("step_"):
+        return None
+    try:
+        return int(name[5:])
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint (its manifest exists); ``verified`` only after checksums were checked."""
+
+    step: int
+    url: str
+    manifest: dict[str, Any]
+
+    @property
+    def epoch(self) -> int:
+        return int(self.manifest.get("epoch", 0))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(int(f["size"]) for f in self.manifest.get("files", {}).values())
+
+
+@dataclass
+class LoadedCheckpoint:
+    info: CheckpointInfo
+    files: dict[str, Any]
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+    """(step, reason) of newer checkpoints that were skipped because they failed verification."""
+
+
+def serialize(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def deserialize(data: bytes) -> Any:
+    """Load with ``weights_only=True``: tensors and plain containers only; pickled code is refused."""
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+class CheckpointStore:
+    """Checkpoints of one run, under ``<run_url>/checkpoints/``."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+
+    def commit(self, step: int, files: dict[str, bytes], meta: dict[str, Any]) -> CheckpointInfo:
+        """Write every file, then the manifest last. Until the manifest lands the checkpoint does not exist."""
+        d = step_dir(step)
+        entries = {}
+        for name, data in files.items():
+            self.storage.write_bytes(f"{d}/{name}", data)
+            entries[name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        manifest = {**meta, "step": step, "format": FORMAT_VERSION, "files": entries, "committed_at": time.time()}
+        self.storage.write_atomic(f"{d}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
+        return CheckpointInfo(step=step, url=self.storage.url(d), manifest=manifest)
+
+    def steps_on_storage(self) -> list[int]:
+        """Every step folder, committed or not, ascending."""
+        steps = [_parse_step(n) for n in self.storage.listdir(CKPT_DIR)]
+        return sorted(s for s in steps if s is not None)
+
+    def list(self) -> list[CheckpointInfo]:
+        """Committed checkpoints (manifest present and parseable), ascending by step. Not checksummed."""
+        out = []
+        for step in self.steps_on_storage():
+            info = self._info(step)
+            if info is not None:
+                out.append(info)
+        return out
+
+    def _info(self, step: int) -> CheckpointInfo | None:
+        d = step_dir(step)
+        try:
+            manifest = json.loads(self.storage.read_bytes(f"{d}/{MANIFEST}"))
+        except FileNotFoundError:
+            return None
+        except (ValueError, UnicodeDecodeError):
+            return None
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+            return None
+        return CheckpointInfo(step=step, url=self.storage.url(d), manifest=manifest)
+
+    def read_verified(self, info: CheckpointInfo) -> dict[str, bytes]:
+        """Read every file of a checkpoint and check size and sha256; raise CheckpointError on mismatch."""
+        out = {}
+        for name, entry in info.manifest["files"].items():
+            try:
+                data = self.storage.read_bytes(f"{step_dir(info.step)}/{name}")
+            except FileNotFoundError:
+                raise CheckpointError(f"{info.url}/{name} is missing") from None
+            if len(data) != int(entry["size"]) or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+                raise CheckpointError(f"{info.url}/{name} fails its checksum (torn or corrupted)")
+            out[name] = data
+        return out
+
+    def load_latest(self, max_step: int | None = None) -> LoadedCheckpoint | None:
+        """Load the highest verified checkpoint (at most ``max_step``), skipping and reporting bad ones."""
+        skipped: list[tuple[int, str]] = []
+        for info in reversed(self.list()):
+            if max_step is not None and info.step > max_step:
+                continue
+            try:
+                raw = self.read_verified(info)
+                files = {name: deserialize(data) for name, data in raw.items()}
+            except (CheckpointError, StorageError) as exc:
+                skipped.append((info.step, str(exc)))
+                continue
+            except Exception as exc:  # an unpickling refusal (weights_only) or a truncated stream
+                skipped.append((info.step, f"{info.url} cannot be loaded safely: {type(exc).__name__}: {exc}"))
+                continue
+            return LoadedCheckpoint(info=info, files=files, skipped=skipped)
+        return None
+
+    def load_step(self, step: int) -> dict[str, Any]:
+        info = self._info(step)
+        if info is None:
+            raise CheckpointError(f"checkpoint at step {step} has no manifest under {self.storage.url(CKPT_DIR)}")
+        return {name: deserialize(data) for name, data in self.read_verified(info).items()}
+
+    def retain(self, keep_last: int) -> list[int]:
+        """Delete all but the newest ``keep_last`` committed checkpoints (manifest first, then files).
+
+        Uncommitted step folders older than the newest committed one are leftovers of torn writes and go
+        too. Returns the deleted steps.
+        """
+        committed = [i.step for i in self.list()]
+        if not committed:
+            return []
+        keep = set(committed[-max(1, keep_last) :])
+        newest = committed[-1]
+        deleted = []
+        for step in self.steps_on_storage():
+            if step in keep or step > newest:
+                continue
+            d = step_dir(step)
+            self.storage.rm(f"{d}/{MANIFEST}")
+            self.storage.rm(d, recursive=True)
+            deleted.append(step)
+        return deleted
+
+
+def snapshot(obj: Any) -> Any:
+    """A deep copy with every tensor copied to host memory: what the background writer may own."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [snapshot(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(snapshot(v) for v in obj)
+    return obj
+
+
+@dataclass
+class CommitRecord:
+    step: int
+    epoch: int
+    url: str
+    bytes: int
+    stall_s: float
+    write_s: float
+    error: str | None = None
+
+
+class CheckpointWriter:
+    """Rank 0's writer. ``save`` blocks only to copy state to host memory; the rest runs in a thread.
+
+    At most one checkpoint is in flight (the next ``save`` waits for the previous: bounded memory). A
+    write that fails is recorded with its error and never committed. ``close(flush=True)`` waits for the
+    one in flight; ``close(flush=False)`` abandons it (its manifest is never written if not yet).
+    """
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        keep_last: int,
+        async_save: bool = True,
+        on_commit: Callable[[CommitRecord], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self.on_commit = on_commit
+        self.records: list[CommitRecord] = []
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._abandon = False
+
+    def save(self, step: int, epoch: int, meta: dict[str, Any], files: dict[str, Any]) -> float:
+        """Checkpoint ``files`` (name -> object) at ``step``; return the seconds training was blocked."""
+        t0 = time.perf_counter()
+        self.wait()
+        host = snapshot(files)
+        stall = time.perf_counter() - t0
+        if self.async_save:
+            self._thread = threading.Thread(
+                target=self._write, args=(step, epoch, meta, host, stall), name=f"ckpt-{step}", daemon=True
+            )
+            self._thread.start()
+        else:
+            self._write(step, epoch, meta, host, stall)
+            stall = time.perf_counter() - t0
+            self.records[-1].stall_s = stall
+        return stall
+
+    def _write(self, step: int, epoch: int, meta: dict[str, Any], host: dict[str, Any], stall: float) -> None:
+        t0 = time.perf_counter()
+        record = CommitRecord(step=step, epoch=epoch, url="", bytes=0, stall_s=stall, write_s=0.0)
+        try:
+            blobs = {name: serialize(obj) for name, obj in host.items()}
+            if self._abandon:
+                return
+            info = self.store.commit(step, blobs, {**meta, "epoch": epoch})
+            record.url, record.bytes = info.url, info.total_bytes
+            self.store.retain(self.keep_last)
+        except Exception as exc:
+            record.error = f"{type(exc).__name__}: {exc}"
+        record.write_s = time.perf_counter() - t0
+        with self._lock:
+            self.records.append(record)
+        if self.on_commit is not None:
+            self.on_commit(record)
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def drain(self) -> list[CommitRecord]:
+        """Records of writes finished since the last drain."""
+        with self._lock:
+            out, self.records = self.records, []
+        return out
+
+    def close(self, flush: bool = True) -> None:
+        if not flush:
+            self._abandon = True
+        self.wait()

@@ -1,0 +1,420 @@
+"""The job spec: typed dataclasses, loaded from YAML, overridden with ``key=value``, validated up front.
+
+Every field has a docstring (the README's config reference is generated from them). ``load_config``
+rejects unknown keys, wrong types and impossible values with one :class:`ConfigError` that names the key
+and says what to change, before anything is started or written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+import yaml
+
+from cluster.errors import ConfigError
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_TASK_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+@dataclass
+class StorageConfig:
+    url: str = "./runs"
+    """Where runs live: a local folder or any fsspec URL (``s3://bucket/prefix``, ``gs://...``,
+    ``memory://...``). A run writes under ``<url>/<name>/``. Multi-node jobs need storage every node sees."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """fsspec ``storage_options`` (credentials, ``endpoint_url``...). Never written to logs or run.json."""
+
+
+@dataclass
+class ScalingConfig:
+    num_workers: int = 2
+    """Number of DDP workers (ranks) the job wants: one Ray actor and one process each."""
+    min_workers: int | None = None
+    """Fewest workers the job may continue with after losing nodes (elastic). Defaults to num_workers."""
+    use_gpu: bool = False
+    """One GPU per worker and the NCCL backend; otherwise CPU workers over gloo."""
+    cpus_per_worker: float = 1.0
+    """CPUs reserved per worker; also the worker's OMP_NUM_THREADS (rounded down, at least 1)."""
+    resources_per_worker: dict[str, float] = field(default_factory=dict)
+    """Extra custom Ray resources each worker needs, e.g. ``{"trainer": 1}``."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Ray placement group strategy for the workers' bundles."""
+    resource_wait_s: float = 60.0
+    """How long to wait for the cluster to provide the workers' resources before giving up or shrinking."""
+    socket_ifname: str | None = None
+    """Network interface for gloo/NCCL traffic (sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME in workers)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for every worker process."""
+
+
+@dataclass
+class TrainingConfig:
+    epochs: int = 1
+    """Number of passes over the training set. Raising it on a finished run trains only the new epochs."""
+    global_batch_size: int = 64
+    """Samples per optimizer step across all workers; kept fixed when the job shrinks or grows."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step on each worker (gradients accumulate under ``no_sync``)."""
+    seed: int = 0
+    """Seeds the model init, the per-epoch data permutation and every per-step random stream."""
+    amp: Literal["none", "bf16"] = "none"
+    """Mixed precision: ``bf16`` autocast (no grad scaler needed) or ``none``."""
+    grad_clip: float | None = None
+    """Clip the global gradient norm to this value before each optimizer step; ``null`` disables."""
+    max_steps_per_epoch: int | None = None
+    """Cap on optimizer steps per epoch (shortens epochs for smoke tests); ``null`` uses the whole dataset."""
+    log_every_steps: int = 10
+    """Record per-step metrics (loss, lr, step time) every this many steps."""
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 0
+    """Save a checkpoint every this many optimizer steps (0 disables step checkpoints)."""
+    every_epochs: int = 1
+    """Save a checkpoint at the end of every this many epochs (0 disables; the last epoch always saves)."""
+    keep_last: int = 3
+    """Verified checkpoints to keep; older ones are deleted (the newest verified one is never deleted)."""
+    async_save: bool = True
+    """Copy state to host memory and upload in the background, so training is not stalled by storage."""
+
+
+@dataclass
+class FaultSpec:
+    """A fault to inject on purpose, to rehearse recovery. Fires on the first attempt only."""
+
+    rank: int = 0
+    """Rank that misbehaves."""
+    step: int = 1
+    """Global step (1-based optimizer step count) at which it misbehaves, before running that step."""
+    kind: Literal["crash", "hang", "raise"] = "crash"
+    """``crash``: the process exits at once (like SIGKILL); ``hang``: it stops making progress;
+    ``raise``: user code raises RuntimeError."""
+    attempt: int = 0
+    """Attempt (0 = first start, 1 = after the first recovery...) on which it fires; -1 = every attempt."""
+
+
+@dataclass
+class FailureConfig:
+    max_failures: int = 3
+    """Failures survived before the job gives up; -1 means unlimited."""
+    hang_timeout_s: float | None = None
+    """Seconds without step progress before a worker counts as hung. ``null``: 10x the slowest observed
+    step time, at least ``hang_timeout_floor_s``."""
+    hang_timeout_floor_s: float = 60.0
+    """Lower bound on the automatic hang timeout (and the timeout before the first step is seen)."""
+    backoff_s: float = 1.0
+    """Wait before the first restart; doubles per consecutive failure up to ``backoff_max_s``."""
+    backoff_max_s: float = 30.0
+    """Upper bound on the restart wait."""
+    process_group_timeout_s: float = 300.0
+    """Timeout of collectives in the process group (init_process_group ``timeout``)."""
+    inject: list[FaultSpec] = field(default_factory=list)
+    """Faults to inject (see FaultSpec). The env var CLUSTER_INJECT_FAULT=``rank:step:kind`` adds one."""
+
+
+@dataclass
+class JobConfig:
+    name: str = "run"
+    """Run name: the folder under ``storage.url``. Same name and storage = resume that run."""
+    task: str = "jobs.tasks.charlm:CharLMTask"
+    """Import path of the Task class, ``package.module:ClassName``; must be importable on every node."""
+    task_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments passed to the Task's constructor (model size, dataset URL, learning rate...)."""
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    failures: FailureConfig = field(default_factory=FailureConfig)
+
+    @property
+    def effective_min_workers(self) -> int:
+        return self.scaling.num_workers if self.scaling.min_workers is None else self.scaling.min_workers
+
+    def to_dict(self, redact: bool = True) -> dict[str, Any]:
+        """Plain dict of the spec; ``storage.options`` values are redacted unless ``redact=False``."""
+        data = dataclasses.asdict(self)
+        if redact:
+            data["storage"]["options"] = {k: "***" for k in data["storage"]["options"]}
+        return data
+
+
+# Short aliases accepted by --set, as users type them on the command line.
+ALIASES = {
+    "storage": "storage.url",
+    "epochs": "training.epochs",
+    "workers": "scaling.num_workers",
+    "num_workers": "scaling.num_workers",
+    "seed": "training.seed",
+    "batch": "training.global_batch_size",
+}
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it (ints widen to float)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], key)
+    if origin is Literal:
+        if value not in args:
+            choices = ", ".join(repr(a) for a in args)
+            raise ConfigError(f"{key}={value!r} is not allowed; choose one of {choices}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping of its fields, got {type(value).__name__} {value!r}")
+        return _build(tp, value, key)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {type(value).__name__} {value!r}")
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping, got {type(value).__name__} {value!r}")
+        if args and args[1] is not Any:
+            return {str(k): _coerce(v, args[1], f"{key}.{k}") for k, v in value.items()}
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {type(value).__name__} {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {type(value).__name__} {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported type {_type_name(tp)}")  # pragma: no cover
+
+
+def _build(cls: Any, data: dict[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in known:
+            where = f"{prefix}.{key}" if prefix else str(key)
+            hint = _closest(str(key), known)
+            raise ConfigError(
+                f"unknown key {where!r}"
+                + (f"; did you mean {(prefix + '.' if prefix else '') + hint!r}?" if hint else "")
+                + f" Valid keys here: {', '.join(sorted(known))}"
+            )
+    kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}" if prefix else k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _closest(word: str, options: set[str]) -> str | None:
+    import difflib
+
+    match = difflib.get_close_matches(word, sorted(options), n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"training.epochs=5"`` -> ``("training.epochs", 5)``; the value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like key=value, e.g. training.epochs=5")
+    key, raw = text.split("=", 1)
+    key = ALIASES.get(key.strip(), key.strip())
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({exc})") from None
+    return key, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        key, value = parse_override(text)
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def load_config(
+    path: str | None = None, overrides: list[str] | None = None, data: dict[str, Any] | None = None
+) -> JobConfig:
+    """Load a YAML file (or a dict), apply ``key=value`` overrides, validate; raise ConfigError on any fault."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path) as fh:
+                loaded = yaml.safe_load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path!r} does not exist; pass --config with a YAML file") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path!r} is not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path!r} must hold a mapping of sections, not {type(loaded).__name__}")
+        raw = loaded or {}
+    if data is not None:
+        raw = {**raw, **data}
+    raw = apply_overrides(raw, overrides or [])
+    cfg = _build(JobConfig, raw)
+    validate(cfg)
+    return cfg
+
+
+def from_dict(data: dict[str, Any]) -> JobConfig:
+    """Build and validate a JobConfig from a (possibly partial) nested dict."""
+    return load_config(data=data)
+
+
+def validate(cfg: JobConfig) -> None:
+    """Raise ConfigError naming the first impossible value and the fix."""
+    if not _NAME_RE.match(cfg.name) or ".." in cfg.name:
+        raise ConfigError(
+            f"name={cfg.name!r} is not a valid run name; use 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit (no '/', no '..')"
+        )
+    if not _TASK_RE.match(cfg.task):
+        raise ConfigError(f"task={cfg.task!r} must be an import path like 'package.module:ClassName'")
+    if not cfg.storage.url.strip():
+        raise ConfigError("storage.url is empty; set it to a folder or an fsspec URL such as s3://bucket/runs")
+    s, t, c, f = cfg.scaling, cfg.training, cfg.checkpoint, cfg.failures
+    if s.num_workers < 1:
+        raise ConfigError(f"scaling.num_workers={s.num_workers} must be at least 1")
+    if s.min_workers is not None and not 1 <= s.min_workers <= s.num_workers:
+        raise ConfigError(
+            f"scaling.min_workers={s.min_workers} must be between 1 and scaling.num_workers={s.num_workers}"
+        )
+    if s.cpus_per_worker <= 0:
+        raise ConfigError(f"scaling.cpus_per_worker={s.cpus_per_worker} must be positive")
+    if s.resource_wait_s <= 0:
+        raise ConfigError(f"scaling.resource_wait_s={s.resource_wait_s} must be positive")
+    for k, v in s.resources_per_worker.items():
+        if v < 0:
+            raise ConfigError(f"scaling.resources_per_worker.{k}={v} must not be negative")
+    if t.epochs < 1:
+        raise ConfigError(f"training.epochs={t.epochs} must be at least 1")
+    if t.grad_accum_steps < 1:
+        raise ConfigError(f"training.grad_accum_steps={t.grad_accum_steps} must be at least 1")
+    if t.global_batch_size < 1:
+        raise ConfigError(f"training.global_batch_size={t.global_batch_size} must be at least 1")
+    per_step = s.num_workers * t.grad_accum_steps
+    if t.global_batch_size % per_step:
+        raise ConfigError(
+            f"training.global_batch_size={t.global_batch_size} is not divisible by scaling.num_workers x "
+            f"training.grad_accum_steps = {s.num_workers} x {t.grad_accum_steps} = {per_step}; "
+            f"set training.global_batch_size to a multiple of {per_step}"
+        )
+    min_per_step = cfg.effective_min_workers * t.grad_accum_steps
+    if t.global_batch_size < per_step or t.global_batch_size < min_per_step:
+        raise ConfigError(f"training.global_batch_size={t.global_batch_size} leaves a worker without samples")
+    if t.grad_clip is not None and t.grad_clip <= 0:
+        raise ConfigError(f"training.grad_clip={t.grad_clip} must be positive, or null to disable clipping")
+    if t.max_steps_per_epoch is not None and t.max_steps_per_epoch < 1:
+        raise ConfigError(f"training.max_steps_per_epoch={t.max_steps_per_epoch} must be at least 1, or null")
+    if t.log_every_steps < 1:
+        raise ConfigError(f"training.log_every_steps={t.log_every_steps} must be at least 1")
+    if c.every_steps < 0:
+        raise ConfigError(f"checkpoint.every_steps={c.every_steps} must be 0 (off) or positive")
+    if c.every_epochs < 0:
+        raise ConfigError(f"checkpoint.every_epochs={c.every_epochs} must be 0 (off) or positive")
+    if c.keep_last < 1:
+        raise ConfigError(f"checkpoint.keep_last={c.keep_last} must be at least 1 (resuming needs one)")
+    if f.max_failures < -1:
+        raise ConfigError(f"failures.max_failures={f.max_failures} must be -1 (unlimited) or at least 0")
+    if f.hang_timeout_s is not None and f.hang_timeout_s <= 0:
+        raise ConfigError(f"failures.hang_timeout_s={f.hang_timeout_s} must be positive, or null for automatic")
+    if f.hang_timeout_floor_s <= 0:
+        raise ConfigError(f"failures.hang_timeout_floor_s={f.hang_timeout_floor_s} must be positive")
+    if f.backoff_s < 0 or f.backoff_max_s < f.backoff_s:
+        raise ConfigError(
+            f"failures.backoff_s={f.backoff_s} must be >= 0 and at most failures.backoff_max_s={f.backoff_max_s}"
+        )
+    if f.process_group_timeout_s <= 0:
+        raise ConfigError(f"failures.process_group_timeout_s={f.process_group_timeout_s} must be positive")
+    for i, spec in enumerate(f.inject):
+        if not 0 <= spec.rank < s.num_workers:
+            raise ConfigError(
+                f"failures.inject[{i}].rank={spec.rank} is not a rank of this job (0..{s.num_workers - 1})"
+            )
+        if spec.step < 1:
+            raise ConfigError(f"failures.inject[{i}].step={spec.step} must be at least 1")
+
+
+def parse_fault_env(text: str, num_workers: int) -> FaultSpec:
+    """Parse ``CLUSTER_INJECT_FAULT="rank:step:kind[:attempt]"``."""
+    parts = text.split(":")
+    if len(parts) not in (3, 4):
+        raise ConfigError(f"CLUSTER_INJECT_FAULT={text!r} must look like rank:step:kind, e.g. 1:30:crash")
+    try:
+        data: dict[str, Any] = {"rank": int(parts[0]), "step": int(parts[1]), "kind": parts[2]}
+        if len(parts) == 4:
+            data["attempt"] = int(parts[3])
+    except ValueError:
+        raise ConfigError(f"CLUSTER_INJECT_FAULT={text!r}: rank, step and attempt must be integers") from None
+    spec: FaultSpec = _build(FaultSpec, data, "CLUSTER_INJECT_FAULT")
+    if not 0 <= spec.rank < num_workers:
+        raise ConfigError(f"CLUSTER_INJECT_FAULT rank {spec.rank} is not a rank of this job (0..{num_workers - 1})")
+    return spec
+
+
+def field_docs() -> list[tuple[str, str, str, str]]:
+    """(key, type, default, doc) for every config key, in declaration order: the README's reference."""
+    import ast
+    import inspect
+
+    rows: list[tuple[str, str, str, str]] = []
+
+    def docs_of(cls: type) -> dict[str, str]:
+        tree = ast.parse(inspect.getsource(cls))
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        out: dict[str, str] = {}
+        for prev, node in zip(body, body[1:]):
+            if (
+                isinstance(prev, ast.AnnAssign)
+                and isinstance(prev.target, ast.Name)
+                and isinstance(node, ast.Expr)
+                and isinstance(node.value, ast.Constant)
+            ):
+                out[prev.target.id] = " ".join(str(node.value.value).split())
+        return out
+
+    def walk(cls: type, prefix: str) -> None:
+        docs = docs_of(cls)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            tp = hints[f.name]
+            key = prefix + f.name
+            if dataclasses.is_dataclass(tp):
+                walk(tp, key + ".")  # type: ignore[arg-type]
+                continue
+            if f.default is not dataclasses.MISSING:
+                default = repr(f.default)
+            else:
+                default = repr(f.default_factory())  # type: ignore[misc]
+            type_text = str(tp).replace("typing.", "").replace("cluster.config.", "")
+            rows.append((key, type_text, default, docs.get(f.name, "")))
+
+    walk(JobConfig, "")
+    return rows

@@ -1,0 +1,71 @@
+"""Typed errors a user can cause or meet. Each message says what was wrong and what to change.
+
+Every class survives pickling across Ray actors (``__reduce__``), so the driver sees the same type and
+message a worker raised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+class ClusterError(Exception):
+    """Base of every error this package raises on purpose."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self.__class__, self.args)
+
+
+class ConfigError(ClusterError, ValueError):
+    """A job spec is invalid. The message names the key and the fix; nothing was started or written."""
+
+
+class StorageError(ClusterError):
+    """Storage could not be reached, read or written (after retries)."""
+
+
+class ResourcesUnavailableError(ClusterError):
+    """The cluster could not provide the resources the job asked for within the wait allowed."""
+
+
+class CheckpointError(ClusterError):
+    """A checkpoint is missing, torn or fails verification."""
+
+
+class WorkerError(ClusterError):
+    """An exception raised by user or worker code on one rank, with its original traceback.
+
+    ``step`` is the global step the rank was on, so the failure policy can tell a repeatable bug
+    (same error, same step) from bad luck.
+    """
+
+    def __init__(self, rank: int, step: int, exc_type: str, message: str, traceback: str) -> None:
+        super().__init__(rank, step, exc_type, message, traceback)
+        self.rank = rank
+        self.step = step
+        self.exc_type = exc_type
+        self.message = message
+        self.traceback = traceback
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} raised {self.exc_type} at step {self.step}: {self.message}\n{self.traceback}"
+
+    @property
+    def signature(self) -> tuple[str, str, int]:
+        """What makes two failures "the same": type, message and step."""
+        return (self.exc_type, self.message, self.step)
+
+
+class TrainingFailedError(ClusterError):
+    """The job gave up: failure budget exhausted or a deterministic bug. Checkpoints are left intact."""
+
+
+@dataclass
+class Failure:
+    """Why a worker group stopped. ``kind``: worker_died, node_lost, hang, user_error or start_failed."""
+
+    kind: str
+    rank: int | None
+    message: str
+    error: WorkerError | None = None

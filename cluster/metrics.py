@@ -1,0 +1,146 @@
+"""A run's record in storage: ``run.json``, ``events.jsonl`` and Parquet metrics; the driver's progress line.
+
+Metrics schema (``metrics/steps-*.parquet``, one file per epoch and attempt; read the folder with
+``pyarrow.parquet.read_table(URL + "/metrics")``):
+
+| column | type | meaning |
+|---|---|---|
+| kind | string | ``step`` (every ``training.log_every_steps``) or ``epoch`` (one row per finished epoch) |
+| time | double | unix time the row was taken |
+| global_step | int64 | optimizer steps done so far |
+| epoch | int64 | epoch the row belongs to |
+| step_in_epoch | int64 | steps done within that epoch |
+| loss | double | step: rank 0's loss on its shard; epoch: mean loss over all ranks and steps |
+| lr | double | learning rate of the first parameter group |
+| step_time_s | double | step: seconds of that step; epoch: mean seconds per step |
+| samples_per_s | double | global samples per second |
+| checkpoint_stall_s | double | seconds training was blocked by a checkpoint at that step (0 if none) |
+| world_size | int64 | workers in the group |
+| attempt | int64 | 0 for the first start, +1 per recovery or resize |
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any, TextIO
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from cluster.storage import Storage
+
+SCHEMA = pa.schema(
+    [
+        ("kind", pa.string()),
+        ("time", pa.float64()),
+        ("global_step", pa.int64()),
+        ("epoch", pa.int64()),
+        ("step_in_epoch", pa.int64()),
+        ("loss", pa.float64()),
+        ("lr", pa.float64()),
+        ("step_time_s", pa.float64()),
+        ("samples_per_s", pa.float64()),
+        ("checkpoint_stall_s", pa.float64()),
+        ("world_size", pa.int64()),
+        ("attempt", pa.int64()),
+    ]
+)
+
+
+class EventLog:
+    """``events.jsonl``: one JSON object a line. Rewritten whole on each append (object stores cannot
+    append), so it stays small: events are per start, failure, checkpoint and epoch, never per step."""
+
+    def __init__(self, storage: Storage, name: str = "events.jsonl") -> None:
+        self.storage = storage
+        self.name = name
+        try:
+            self._text = self.storage.read_bytes(name).decode()
+        except FileNotFoundError:
+            self._text = ""
+
+    def append(self, event: str, **fields: Any) -> dict[str, Any]:
+        record = {"time": time.time(), "event": event, **fields}
+        self._text += json.dumps(record, default=str) + "\n"
+        self.storage.write_atomic(self.name, self._text.encode())
+        return record
+
+    def records(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self._text.splitlines() if line.strip()]
+
+
+def write_metrics(storage: Storage, rows: list[dict[str, Any]], epoch: int, attempt: int) -> str | None:
+    """Write rows as one Parquet file under ``metrics/``; return its relative path."""
+    if not rows:
+        return None
+    table = pa.Table.from_pylist(
+        [{name: row.get(name) for name in SCHEMA.names} for row in rows], schema=SCHEMA
+    )
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    rel = f"metrics/steps-e{epoch:05d}-a{attempt:03d}-{int(time.time() * 1000)}.parquet"
+    storage.write_bytes(rel, sink.getvalue().to_pybytes())
+    return rel
+
+
+def read_metrics(storage: Storage) -> pa.Table:
+    files = [f for f in storage.listdir("metrics") if f.endswith(".parquet")]
+    if not files:
+        return SCHEMA.empty_table()
+    tables = [pq.read_table(pa.BufferReader(storage.read_bytes(f"metrics/{f}"))) for f in files]
+    return pa.concat_tables(tables).sort_by("time")
+
+
+def fmt_duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:d}:{s:02d}"
+
+
+class Progress:
+    """The driver's display: a live bar on a terminal, plain lines in job logs."""
+
+    def __init__(self, total_steps: int, out: TextIO | None = None) -> None:
+        self.total_steps = total_steps
+        self.out = out or sys.stdout
+        self.tty = bool(getattr(self.out, "isatty", lambda: False)())
+        self._t0 = time.monotonic()
+        self._last_step = 0
+        self._last_time = time.monotonic()
+        self._rate = 0.0
+
+    def live(self, step: int, samples_per_step: int) -> None:
+        """Refresh the live bar (terminal only) from a heartbeat's step count."""
+        now = time.monotonic()
+        if step > self._last_step and now > self._last_time:
+            rate = (step - self._last_step) / (now - self._last_time)
+            self._rate = rate if not self._rate else 0.7 * self._rate + 0.3 * rate
+            self._last_step, self._last_time = step, now
+        if not self.tty:
+            return
+        frac = min(1.0, step / max(1, self.total_steps))
+        bar = "#" * int(frac * 30)
+        eta = (self.total_steps - step) / self._rate if self._rate else 0.0
+        self.out.write(
+            f"\r[{bar:<30}] step {step}/{self.total_steps} "
+            f"{self._rate * samples_per_step:,.0f} samples/s ETA {fmt_duration(eta)}   "
+        )
+        self.out.flush()
+
+    def epoch_line(self, epoch: int, epochs: int, step: int, loss: float, samples_per_s: float, eta_s: float) -> None:
+        if self.tty:
+            self.out.write("\r" + " " * 100 + "\r")
+        self.out.write(
+            f"epoch {epoch + 1}/{epochs}  step {step}/{self.total_steps}  loss {loss:.4f}  "
+            f"{samples_per_s:,.0f} samples/s  ETA {fmt_duration(eta_s)}\n"
+        )
+        self.out.flush()
+
+    def line(self, text: str) -> None:
+        if self.tty:
+            self.out.write("\r" + " " * 100 + "\r")
+        self.out.write(text + "\n")
+        self.out.flush()

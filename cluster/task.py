@@ -1,0 +1,82 @@
+"""The user's half of a job: model, datasets, optimizer/scheduler, and the loss of one batch.
+
+A task is a class named by an import path string (``package.module:ClassName``) so that every node can
+import it; it is constructed on each worker with the config's ``task_args``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from cluster.errors import ConfigError
+
+
+class Task:
+    """Subclass and override ``build_model``, ``build_train_dataset`` and ``compute_loss``.
+
+    ``build_train_dataset`` returns a map-style dataset; one with ``get_batch(indices)`` (see
+    :class:`cluster.data.TensorBatchDataset`) is fetched a batch at a time. ``compute_loss`` returns the
+    mean loss over the batch and a dict of extra scalar metrics; the worker scales it so that DDP's
+    gradient average equals the gradient of the mean over the global batch.
+    """
+
+    def __init__(self, **task_args: Any) -> None:
+        self.args = task_args
+
+    def build_model(self) -> nn.Module:
+        raise NotImplementedError
+
+    def build_train_dataset(self) -> Any:
+        raise NotImplementedError
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        lr = float(self.args.get("lr", 1e-3))
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=float(self.args.get("weight_decay", 0.0)))
+
+    def build_scheduler(
+        self, optimizer: torch.optim.Optimizer, total_steps: int
+    ) -> torch.optim.lr_scheduler.LRScheduler | None:
+        """Optional; stepped once per optimizer step. Its state is checkpointed."""
+        return None
+
+    def compute_loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        raise NotImplementedError
+
+    def move_to_device(self, batch: Any, device: torch.device) -> Any:
+        if isinstance(batch, torch.Tensor):
+            return batch.to(device, non_blocking=True)
+        if isinstance(batch, (list, tuple)):
+            return type(batch)(self.move_to_device(b, device) for b in batch)
+        if isinstance(batch, dict):
+            return {k: self.move_to_device(v, device) for k, v in batch.items()}
+        return batch
+
+
+def load_task_class(path: str) -> type[Task]:
+    """Import ``package.module:ClassName``; raise ConfigError saying what is missing."""
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(
+            f"task={path!r}: cannot import module {module_name!r} ({exc}). Check the spelling, and that the "
+            "module is on PYTHONPATH on every node (ray job submit --working-dir . ships the current folder)"
+        ) from None
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise ConfigError(f"task={path!r}: module {module_name!r} has no attribute {attr!r}")
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise ConfigError(f"task={path!r} is not a subclass of cluster.Task")
+    return cls
+
+
+def build_task(path: str, task_args: dict[str, Any]) -> Task:
+    cls = load_task_class(path)
+    try:
+        return cls(**task_args)
+    except TypeError as exc:
+        raise ConfigError(f"task_args do not fit {path}: {exc}") from None

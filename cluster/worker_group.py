@@ -1,0 +1,238 @@
+"""Ray side of the workers: placement group, one actor per rank, rendezvous, start, poll, kill.
+
+The actor is a thin wrapper over :class:`cluster.worker.Worker`. It runs with ``max_concurrency=2`` so
+the driver's heartbeat call (``progress``) is answered while ``run_epoch`` is busy training.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.config import JobConfig
+from cluster.errors import Failure, ResourcesUnavailableError, WorkerError
+from cluster.worker import EpochResult, Progress, SetupInfo, Worker, worker_env
+
+
+class _WorkerActor:
+    def __init__(self, cfg: JobConfig, rank: int, world_size: int, run_url: str, attempt: int) -> None:
+        with worker_env(cfg):
+            self.worker = Worker(cfg, rank, world_size, run_url, attempt)
+
+    def node(self) -> tuple[str, str]:
+        ctx = ray.get_runtime_context()
+        return ctx.get_node_id(), ray.util.get_node_ip_address()
+
+    def bind_store(self) -> tuple[str, int]:
+        return ray.util.get_node_ip_address(), self.worker.bind_store()
+
+    def setup(self, host: str, port: int) -> SetupInfo:
+        return self.worker.setup(host, port)
+
+    def run_epoch(self, epoch: int, start_step: int) -> EpochResult:
+        return self.worker.run_epoch(epoch, start_step)
+
+    def progress(self) -> Progress:
+        return self.worker.progress()
+
+    def finish(self) -> list[Any]:
+        return self.worker.finish()
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+class RayWorkerGroup:
+    """One gang of DDP workers on Ray. ``start`` either returns with every rank set up or raises."""
+
+    def __init__(self, cfg: JobConfig, run_url: str, attempt: int) -> None:
+        self.cfg = cfg
+        self.run_url = run_url
+        self.attempt = attempt
+        self.pg: PlacementGroup | None = None
+        self.actors: list[Any] = []
+        self.nodes: list[tuple[str, str]] = []
+        self.world_size = 0
+        self._pending: list[Any] = []
+
+    # --------------------------------------------------------------- resources
+    def bundle(self) -> dict[str, float]:
+        s = self.cfg.scaling
+        b: dict[str, float] = {"CPU": s.cpus_per_worker, **s.resources_per_worker}
+        if s.use_gpu:
+            b["GPU"] = 1
+        return b
+
+    def fits(self, n: int) -> bool:
+        """Could ``n`` bundles fit in the cluster's total resources (ignoring fragmentation)?"""
+        total = ray.cluster_resources()
+        return all(total.get(k, 0) >= v * n for k, v in self.bundle().items())
+
+    def available_for(self, n: int) -> bool:
+        avail = ray.available_resources()
+        return all(avail.get(k, 0) >= v * n - 1e-9 for k, v in self.bundle().items())
+
+    def reserve(self, sizes: list[int], wait_s: float) -> int:
+        """Reserve bundles for ``sizes[0]`` workers, waiting up to ``wait_s``; failing that, the largest
+        of the smaller ``sizes`` the cluster grants now. Raise ResourcesUnavailableError otherwise."""
+        strategy = self.cfg.scaling.placement_strategy
+        for i, n in enumerate(sizes):
+            pg = placement_group([self.bundle()] * n, strategy=strategy)
+            try:
+                ray.get(pg.ready(), timeout=wait_s if i == 0 else 2.0)
+            except GetTimeoutError:
+                remove_placement_group(pg)
+                continue
+            self.pg = pg
+            return n
+        need = ", ".join(f"{k}={v:g}" for k, v in self.bundle().items())
+        raise ResourcesUnavailableError(
+            f"the cluster did not provide {sizes[0]} workers of {{{need}}} (nor the minimum {sizes[-1]}) within "
+            f"scaling.resource_wait_s={wait_s:g}s with strategy {strategy}; the cluster has "
+            f"{_fmt(ray.cluster_resources())}, free {_fmt(ray.available_resources())}. Add nodes, lower "
+            "scaling.num_workers / scaling.min_workers, or raise scaling.resource_wait_s"
+        )
+
+    # --------------------------------------------------------------- lifecycle
+    def start(self, world_size: int) -> list[SetupInfo]:
+        """Create the actors in the reserved placement group, rendezvous, set up every rank."""
+        assert self.pg is not None, "reserve() first"
+        self.world_size = world_size
+        s = self.cfg.scaling
+        env = {"OMP_NUM_THREADS": str(max(1, int(s.cpus_per_worker))), **s.env}
+        if s.socket_ifname:
+            env.update(GLOO_SOCKET_IFNAME=s.socket_ifname, NCCL_SOCKET_IFNAME=s.socket_ifname)
+        cls = ray.remote(_WorkerActor)
+        for rank in range(world_size):
+            opts: dict[str, Any] = dict(
+                num_cpus=s.cpus_per_worker,
+                num_gpus=1 if s.use_gpu else 0,
+                resources=dict(s.resources_per_worker),
+                max_concurrency=2,
+                max_restarts=0,
+                name=f"cluster:{self.cfg.name}:rank{rank}:attempt{self.attempt}",
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=rank
+                ),
+                runtime_env={"env_vars": env},
+            )
+            self.actors.append(
+                cls.options(**opts).remote(self.cfg, rank, world_size, self.run_url, self.attempt)  # type: ignore[attr-defined]
+            )
+        timeout = self.cfg.failures.process_group_timeout_s
+        self.nodes = self._get([a.node.remote() for a in self.actors], timeout)
+        host, port = self._get([self.actors[0].bind_store.remote()], timeout)[0]
+        return self._get([a.setup.remote(host, port) for a in self.actors], timeout)
+
+    def _get(self, refs: list[Any], timeout: float) -> list[Any]:
+        """ray.get that fails fast: the first error from any rank ends the wait."""
+        pending = list(refs)
+        deadline = time.monotonic() + timeout
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError(f"workers did not answer within {timeout:g}s")
+            ray.get(ready[0])  # raises on error
+        return ray.get(refs)
+
+    def run_epoch(self, epoch: int, start_step: int) -> None:
+        self._pending = [a.run_epoch.remote(epoch, start_step) for a in self.actors]
+
+    def poll(self, timeout: float) -> list[EpochResult] | None:
+        """Results of the epoch when every rank is done; None while running; raises on the first error."""
+        ready, _ = ray.wait(self._pending, num_returns=len(self._pending), timeout=timeout)
+        for ref in ready:
+            ray.get(ref)  # surfaces errors as soon as one rank fails
+        if len(ready) < len(self._pending):
+            return None
+        return list(ray.get(self._pending))
+
+    def progress(self, timeout: float = 2.0) -> list[Progress | None]:
+        refs = [a.progress.remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        out: list[Progress | None] = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref) if ref in ready else None)
+            except RayActorError:
+                out.append(None)
+        return out
+
+    def finish(self) -> list[Any]:
+        return list(self._get([self.actors[0].finish.remote()], self.cfg.failures.process_group_timeout_s)[0])
+
+    def classify(self, exc: BaseException) -> Failure:
+        """Turn the first error seen into a Failure, looking at every rank for the root cause."""
+        time.sleep(0.2)
+        dead_nodes = {n["NodeID"] for n in ray.nodes() if not n.get("Alive", False)}
+        root: Failure | None = None
+        for rank, ref in enumerate(self._pending):
+            try:
+                ray.get(ref, timeout=0.5)
+            except GetTimeoutError:
+                continue
+            except RayActorError as err:
+                node_id = self.nodes[rank][0] if rank < len(self.nodes) else None
+                if node_id in dead_nodes:
+                    return Failure("node_lost", rank, f"node {node_id} of rank {rank} was lost: {err}")
+                root = root or Failure("worker_died", rank, f"rank {rank}'s process died: {_short(err)}")
+            except RayTaskError as err:
+                cause = err.cause if isinstance(err.cause, WorkerError) else None
+                if root is None or (root.kind == "user_error" and _collateral(root.message)):
+                    msg = str(cause) if cause else _short(err)
+                    root = Failure("user_error", rank, msg, cause)
+        if root is not None:
+            if root.kind == "user_error" and _collateral(root.message):
+                # A peer's collective broke: the process that caused it may still be dying.
+                for rank, ref in enumerate(self._pending):
+                    try:
+                        ray.get(ref, timeout=2.0)
+                    except RayActorError:
+                        return Failure("worker_died", rank, f"rank {rank}'s process died")
+                    except Exception:
+                        continue
+            return root
+        return Failure("worker_died", None, _short(exc))
+
+    def shutdown(self, graceful: bool) -> None:
+        """Graceful: destroy process groups and stop actors. Otherwise kill at once (a survivor may be
+        blocked in a collective that will not return before the process-group timeout)."""
+        if graceful and self.actors:
+            try:
+                ray.get([a.shutdown.remote() for a in self.actors], timeout=10)
+            except Exception:
+                pass
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+        self.actors = []
+        if self.pg is not None:
+            try:
+                remove_placement_group(self.pg)
+            except Exception:
+                pass
+            self.pg = None
+
+
+_COLLATERAL = ("Connection reset", "Connection closed", "Broken pipe", "Socket Timeout", "peer", "Gloo")
+
+
+def _collateral(message: str) -> bool:
+    return any(s.lower() in message.lower() for s in _COLLATERAL)
+
+
+def _fmt(res: dict[str, float]) -> str:
+    keep = {k: v for k, v in res.items() if not k.startswith(("node:", "memory", "object_store"))}
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(keep.items())) + "}"
+
+
+def _short(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0][:300] if text else type(err).__name__
