@@ -1,0 +1,56 @@
+"""Shared fixtures. Ray token auth is disabled for the suite (one test turns it on deliberately), and every
+Ray instance gets a temp dir of its own: the default /tmp/ray is shared with anything else on the machine."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+
+os.environ["RAY_AUTH_MODE"] = "disabled"
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[None]:
+    """A real local Ray with 4 CPUs, shut down after the module."""
+    import ray
+
+    temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        _temp_dir=temp,
+        configure_logging=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}},
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture
+def tiny_overrides(tmp_path: object) -> list[str]:
+    """Overrides that make the tiny char-LM job small enough for a test."""
+    return [
+        f"storage={tmp_path}/runs",
+        "task_args.max_chars=40000",
+        "task_args.d_model=32",
+        "task_args.n_layers=1",
+        "task_args.context=32",
+        "training.global_batch_size=32",
+        "training.log_every_steps=1",
+        "failures.hang_timeout_floor_s=60",
+    ]
