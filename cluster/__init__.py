@@ -1,7 +1,7 @@
 """cluster: fault-tolerant PyTorch DDP training on Ray.
 
-    from cluster import load_config, train
-    result = train(load_config("jobs/configs/tiny_cpu.yaml", ["name=demo"]))
+from cluster import load_config, train
+result = train(load_config("jobs/configs/tiny_cpu.yaml", ["name=demo"]))
 """
 
 from cluster.config import (

@@ -9,6 +9,7 @@ does and its checksums verify; "latest" is the highest verified step, and a torn
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import io
 import json
@@ -157,7 +158,7 @@ class CheckpointStore:
             raise CheckpointError(f"checkpoint at step {step} has no manifest under {self.storage.url(CKPT_DIR)}")
         return {name: deserialize(data) for name, data in self.read_verified(info).items()}
 
-    def retain(self, keep_last: int) -> list[int]:
+    def retain(self, keep_last: int) -> builtins.list[int]:
         """Delete all but the newest ``keep_last`` committed checkpoints (manifest first, then files).
 
         Uncommitted step folders older than the newest committed one are leftovers of torn writes and go

@@ -141,7 +141,7 @@ class JobConfig:
         """Plain dict of the spec; ``storage.options`` values are redacted unless ``redact=False``."""
         data = dataclasses.asdict(self)
         if redact:
-            data["storage"]["options"] = {k: "***" for k in data["storage"]["options"]}
+            data["storage"]["options"] = dict.fromkeys(data["storage"]["options"], "***")
         return data
 
 
@@ -269,11 +269,15 @@ def load_config(
             with open(path) as fh:
                 loaded = yaml.safe_load(fh)
         except FileNotFoundError:
-            raise ConfigError(f"config file {path!r} does not exist; pass --config with a YAML file") from None
+            raise ConfigError(
+                f"config file {path!r} does not exist; pass --config with a YAML file"
+            ) from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {path!r} is not valid YAML: {exc}") from None
         if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path!r} must hold a mapping of sections, not {type(loaded).__name__}")
+            raise ConfigError(
+                f"config file {path!r} must hold a mapping of sections, not {type(loaded).__name__}"
+            )
         raw = loaded or {}
     if data is not None:
         raw = {**raw, **data}
@@ -298,7 +302,9 @@ def validate(cfg: JobConfig) -> None:
     if not _TASK_RE.match(cfg.task):
         raise ConfigError(f"task={cfg.task!r} must be an import path like 'package.module:ClassName'")
     if not cfg.storage.url.strip():
-        raise ConfigError("storage.url is empty; set it to a folder or an fsspec URL such as s3://bucket/runs")
+        raise ConfigError(
+            "storage.url is empty; set it to a folder or an fsspec URL such as s3://bucket/runs"
+        )
     s, t, c, f = cfg.scaling, cfg.training, cfg.checkpoint, cfg.failures
     if s.num_workers < 1:
         raise ConfigError(f"scaling.num_workers={s.num_workers} must be at least 1")
@@ -344,7 +350,9 @@ def validate(cfg: JobConfig) -> None:
     if f.max_failures < -1:
         raise ConfigError(f"failures.max_failures={f.max_failures} must be -1 (unlimited) or at least 0")
     if f.hang_timeout_s is not None and f.hang_timeout_s <= 0:
-        raise ConfigError(f"failures.hang_timeout_s={f.hang_timeout_s} must be positive, or null for automatic")
+        raise ConfigError(
+            f"failures.hang_timeout_s={f.hang_timeout_s} must be positive, or null for automatic"
+        )
     if f.hang_timeout_floor_s <= 0:
         raise ConfigError(f"failures.hang_timeout_floor_s={f.hang_timeout_floor_s} must be positive")
     if f.backoff_s < 0 or f.backoff_max_s < f.backoff_s:
@@ -375,7 +383,9 @@ def parse_fault_env(text: str, num_workers: int) -> FaultSpec:
         raise ConfigError(f"CLUSTER_INJECT_FAULT={text!r}: rank, step and attempt must be integers") from None
     spec: FaultSpec = _build(FaultSpec, data, "CLUSTER_INJECT_FAULT")
     if not 0 <= spec.rank < num_workers:
-        raise ConfigError(f"CLUSTER_INJECT_FAULT rank {spec.rank} is not a rank of this job (0..{num_workers - 1})")
+        raise ConfigError(
+            f"CLUSTER_INJECT_FAULT rank {spec.rank} is not a rank of this job (0..{num_workers - 1})"
+        )
     return spec
 
 
@@ -383,6 +393,7 @@ def field_docs() -> list[tuple[str, str, str, str]]:
     """(key, type, default, doc) for every config key, in declaration order: the README's reference."""
     import ast
     import inspect
+    import itertools
 
     rows: list[tuple[str, str, str, str]] = []
 
@@ -390,7 +401,7 @@ def field_docs() -> list[tuple[str, str, str, str]]:
         tree = ast.parse(inspect.getsource(cls))
         body = tree.body[0].body  # type: ignore[attr-defined]
         out: dict[str, str] = {}
-        for prev, node in zip(body, body[1:]):
+        for prev, node in itertools.pairwise(body):
             if (
                 isinstance(prev, ast.AnnAssign)
                 and isinstance(prev.target, ast.Name)
@@ -403,7 +414,7 @@ def field_docs() -> list[tuple[str, str, str, str]]:
     def walk(cls: type, prefix: str) -> None:
         docs = docs_of(cls)
         hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        for f in dataclasses.fields(cls):
             tp = hints[f.name]
             key = prefix + f.name
             if dataclasses.is_dataclass(tp):
@@ -412,7 +423,7 @@ def field_docs() -> list[tuple[str, str, str, str]]:
             if f.default is not dataclasses.MISSING:
                 default = repr(f.default)
             else:
-                default = repr(f.default_factory())  # type: ignore[misc]
+                default = repr(f.default_factory())  # type: ignore[operator]
             type_text = str(tp).replace("typing.", "").replace("cluster.config.", "")
             rows.append((key, type_text, default, docs.get(f.name, "")))
 

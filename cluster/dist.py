@@ -28,7 +28,9 @@ def bind_store(world_size: int, timeout_s: float) -> tuple[dist.TCPStore, int]:
 
 
 def connect_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
-    return dist.TCPStore(host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.TCPStore(
+        host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
 
 
 def pick_device(use_gpu: bool) -> torch.device:

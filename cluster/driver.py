@@ -210,14 +210,22 @@ class Driver:
             return
         t_reserved = time.time()
         if n < target:
-            self.events.append("resize", old=self.world_size or target, new=n, reason="resources for "
-                               f"{target} workers not available within {cfg.scaling.resource_wait_s:g}s")
+            self.events.append(
+                "resize",
+                old=self.world_size or target,
+                new=n,
+                reason="resources for "
+                f"{target} workers not available within {cfg.scaling.resource_wait_s:g}s",
+            )
             self._print(f"continuing with {n}/{target} workers (scaling.min_workers={minimum})")
         try:
             infos = self.group.start(n)
         except Exception as exc:
-            self._on_failure(self.group.classify(exc) if _is_remote_error(exc) else
-                             Failure("start_failed", None, f"{type(exc).__name__}: {exc}"))
+            self._on_failure(
+                self.group.classify(exc)
+                if _is_remote_error(exc)
+                else Failure("start_failed", None, f"{type(exc).__name__}: {exc}")
+            )
             return
         t_ready = time.time()
         self.world_size = n
@@ -231,17 +239,31 @@ class Driver:
         total = self.steps_per_epoch * cfg.training.epochs
         self._progress = Progress(total, self.out)
         self.events.append(
-            "group_started", attempt=self.attempt, world_size=n, backend=head.backend,
-            resume_step=r.global_step, resume_epoch=r.epoch, hosts=sorted({i.hostname for i in infos}),
+            "group_started",
+            attempt=self.attempt,
+            world_size=n,
+            backend=head.backend,
+            resume_step=r.global_step,
+            resume_epoch=r.epoch,
+            hosts=sorted({i.hostname for i in infos}),
             seconds=round(t_ready - t0, 3),
         )
         if self._recovery is not None:
-            self._recovery.update(reserve_s=t_reserved - self._recovery["t_teardown"],
-                                  start_s=t_ready - t_reserved, resume_step=r.global_step,
-                                  load_s=max(i.timings["checkpoint_load"] - i.timings["task"] for i in infos))
-        where = f"from step {r.global_step} (epoch {r.epoch + 1}, step {r.step_in_epoch})" if r.global_step else "fresh"
-        self._print(f"[{cfg.name}] attempt {self.attempt}: {n} workers ({head.backend}) ready in "
-                    f"{t_ready - t0:.1f}s, starting {where}")
+            self._recovery.update(
+                reserve_s=t_reserved - self._recovery["t_teardown"],
+                start_s=t_ready - t_reserved,
+                resume_step=r.global_step,
+                load_s=max(i.timings["checkpoint_load"] - i.timings["task"] for i in infos),
+            )
+        where = (
+            f"from step {r.global_step} (epoch {r.epoch + 1}, step {r.step_in_epoch})"
+            if r.global_step
+            else "fresh"
+        )
+        self._print(
+            f"[{cfg.name}] attempt {self.attempt}: {n} workers ({head.backend}) ready in "
+            f"{t_ready - t0:.1f}s, starting {where}"
+        )
         if self.epoch >= cfg.training.epochs:
             self._print(f"[{cfg.name}] all {cfg.training.epochs} epochs are already done; nothing to train")
             self.events.append("already_complete", global_step=self.global_step)
@@ -279,10 +301,17 @@ class Driver:
         self.global_step = head.global_step
         samples_per_s = head.samples / wall_s if wall_s > 0 else 0.0
         epoch_row = {
-            "kind": "epoch", "time": time.time(), "global_step": head.global_step, "epoch": head.epoch,
-            "step_in_epoch": self.steps_per_epoch, "loss": head.loss, "step_time_s": head.seconds / max(1, head.steps),
-            "samples_per_s": samples_per_s, "checkpoint_stall_s": sum(c.stall_s for c in head.commits),
-            "world_size": self.world_size, "attempt": self.attempt,
+            "kind": "epoch",
+            "time": time.time(),
+            "global_step": head.global_step,
+            "epoch": head.epoch,
+            "step_in_epoch": self.steps_per_epoch,
+            "loss": head.loss,
+            "step_time_s": head.seconds / max(1, head.steps),
+            "samples_per_s": samples_per_s,
+            "checkpoint_stall_s": sum(c.stall_s for c in head.commits),
+            "world_size": self.world_size,
+            "attempt": self.attempt,
             "lr": head.step_rows[-1]["lr"] if head.step_rows else None,
         }
         rows = [{"kind": "step", **r} for r in head.step_rows] + [epoch_row]
@@ -291,21 +320,38 @@ class Driver:
             self._commit_event(c)
         if self._recovery is not None:
             self._finish_recovery(head)
-        self.events.append("epoch_end", epoch=head.epoch, global_step=head.global_step, loss=head.loss,
-                           seconds=round(wall_s, 3), samples_per_s=round(samples_per_s, 1),
-                           world_size=self.world_size)
-        self.last_metrics = {"epoch": head.epoch, "loss": head.loss, "samples_per_s": samples_per_s,
-                             "global_step": head.global_step, "epoch_seconds": wall_s}
+        self.events.append(
+            "epoch_end",
+            epoch=head.epoch,
+            global_step=head.global_step,
+            loss=head.loss,
+            seconds=round(wall_s, 3),
+            samples_per_s=round(samples_per_s, 1),
+            world_size=self.world_size,
+        )
+        self.last_metrics = {
+            "epoch": head.epoch,
+            "loss": head.loss,
+            "samples_per_s": samples_per_s,
+            "global_step": head.global_step,
+            "epoch_seconds": wall_s,
+        }
         remaining_steps = (cfg.training.epochs - head.epoch - 1) * self.steps_per_epoch
         eta = remaining_steps * (wall_s / max(1, head.steps))
-        self._progress.epoch_line(head.epoch, cfg.training.epochs, head.global_step, head.loss, samples_per_s, eta)
+        self._progress.epoch_line(
+            head.epoch, cfg.training.epochs, head.global_step, head.loss, samples_per_s, eta
+        )
         self.epoch, self.start_step = head.epoch + 1, 0
         if self.epoch >= cfg.training.epochs:
             for c in self.group.finish():
                 self._commit_event(c)
-            self.events.append("finished", global_step=self.global_step, loss=head.loss, attempts=self.attempt + 1)
-            self._print(f"[{cfg.name}] finished: {self.global_step} steps, loss {head.loss:.4f}, "
-                        f"checkpoints in {self.run_url}/checkpoints")
+            self.events.append(
+                "finished", global_step=self.global_step, loss=head.loss, attempts=self.attempt + 1
+            )
+            self._print(
+                f"[{cfg.name}] finished: {self.global_step} steps, loss {head.loss:.4f}, "
+                f"checkpoints in {self.run_url}/checkpoints"
+            )
             self.state = State.FINISHED
             return
         if self.world_size < cfg.scaling.num_workers and self.group.available_for(
@@ -314,8 +360,13 @@ class Driver:
             # Grow back at this epoch boundary: the epoch-end checkpoint is flushed, then a new gang starts.
             for c in self.group.finish():
                 self._commit_event(c)
-            self.events.append("resize", old=self.world_size, new=cfg.scaling.num_workers,
-                               reason="resources returned", at_step=self.global_step)
+            self.events.append(
+                "resize",
+                old=self.world_size,
+                new=cfg.scaling.num_workers,
+                reason="resources returned",
+                at_step=self.global_step,
+            )
             self._print(f"resources returned: growing {self.world_size} -> {cfg.scaling.num_workers} workers")
             self.group.shutdown(graceful=True)
             self.group = None
@@ -327,15 +378,28 @@ class Driver:
             self.events.append("checkpoint_failed", step=c.step, error=c.error)
             self._print(f"checkpoint at step {c.step} FAILED (not used): {c.error}")
         else:
-            self.events.append("checkpoint", step=c.step, epoch=c.epoch, url=c.url, bytes=c.bytes,
-                               stall_s=round(c.stall_s, 4), write_s=round(c.write_s, 3))
+            self.events.append(
+                "checkpoint",
+                step=c.step,
+                epoch=c.epoch,
+                url=c.url,
+                bytes=c.bytes,
+                stall_s=round(c.stall_s, 4),
+                write_s=round(c.write_s, 3),
+            )
 
     def _on_failure(self, failure: Failure, seen_step: int | None = None) -> None:
         now = time.time()
         self.failures.append(failure)
         self._recovery = {"t_detect": now, "kind": failure.kind, "seen_step": seen_step or self.global_step}
-        self.events.append("failure", kind=failure.kind, rank=failure.rank, attempt=self.attempt,
-                           message=failure.message[-4000:], step=seen_step)
+        self.events.append(
+            "failure",
+            kind=failure.kind,
+            rank=failure.rank,
+            attempt=self.attempt,
+            message=failure.message[-4000:],
+            step=seen_step,
+        )
         self._print(f"FAILURE ({failure.kind}, rank {failure.rank}): {failure.message.splitlines()[0][:300]}")
         self.state = State.RECOVERING
 
@@ -347,12 +411,18 @@ class Driver:
         self._recovery["t_teardown"] = time.time()
         failure = self.failures[-1]
         decision = self.policy.decide(failure, self.failures)
-        self.events.append("decision", restart=decision.restart, reason=decision.reason, delay_s=decision.delay_s)
+        self.events.append(
+            "decision", restart=decision.restart, reason=decision.reason, delay_s=decision.delay_s
+        )
         if not decision.restart:
             detail = failure.error.traceback if failure.error is not None else failure.message
-            self._fail(TrainingFailedError(f"{decision.reason}. Last failure ({failure.kind}, rank "
-                                           f"{failure.rank}):\n{detail}\nCheckpoints are intact in "
-                                           f"{self.run_url}/checkpoints; rerun the same job to resume."))
+            self._fail(
+                TrainingFailedError(
+                    f"{decision.reason}. Last failure ({failure.kind}, rank "
+                    f"{failure.rank}):\n{detail}\nCheckpoints are intact in "
+                    f"{self.run_url}/checkpoints; rerun the same job to resume."
+                )
+            )
             return
         self._print(f"recovering ({decision.reason}) in {decision.delay_s:.1f}s")
         time.sleep(decision.delay_s)
@@ -373,10 +443,13 @@ class Driver:
             "detect_to_first_step_s": head.first_step_at - rec["t_detect"],
         }
         lost = max(0, rec["seen_step"] - rec.get("resume_step", 0))
-        self.events.append("recovered", kind=rec["kind"], lost_steps=lost,
-                           **{k: round(v, 3) for k, v in phases.items()})
-        self._print(f"recovered from {rec['kind']}: first step {phases['detect_to_first_step_s']:.1f}s after "
-                    f"detection, {lost} steps of work lost")
+        self.events.append(
+            "recovered", kind=rec["kind"], lost_steps=lost, **{k: round(v, 3) for k, v in phases.items()}
+        )
+        self._print(
+            f"recovered from {rec['kind']}: first step {phases['detect_to_first_step_s']:.1f}s after "
+            f"detection, {lost} steps of work lost"
+        )
 
     def _fail(self, exc: BaseException) -> None:
         self.error = exc
@@ -393,11 +466,17 @@ class Driver:
     def _result(self) -> Result:
         infos = CheckpointStore(self.storage).list()
         return Result(
-            name=self.cfg.name, run_url=self.run_url, status=self.state.value,
-            epochs_completed=self.epoch, global_step=self.global_step, metrics=self.last_metrics,
-            latest_checkpoint=infos[-1].url if infos else None, attempts=self.attempt + 1,
+            name=self.cfg.name,
+            run_url=self.run_url,
+            status=self.state.value,
+            epochs_completed=self.epoch,
+            global_step=self.global_step,
+            metrics=self.last_metrics,
+            latest_checkpoint=infos[-1].url if infos else None,
+            attempts=self.attempt + 1,
             failures=[{"kind": f.kind, "rank": f.rank, "message": f.message[:2000]} for f in self.failures],
-            world_size=self.world_size, error=str(self.error) if self.error else None,
+            world_size=self.world_size,
+            error=str(self.error) if self.error else None,
         )
 
 
@@ -427,16 +506,18 @@ class _Heartbeat:
             if prev is None or beat.global_step != prev[0] or not beat.in_epoch:
                 self._last[rank] = (beat.global_step, now)
         limit = self.timeout()
-        stalled = [(now - t, rank, step) for rank, (step, t) in self._last.items()]
+        stalled = [(now - t, rank) for rank, (_, t) in self._last.items()]
         silent = [r for r in range(len(beats)) if r not in self._last]
         if silent and now - self._t0 > limit:
             return silent[0], f"rank {silent[0]} never answered its heartbeat within {limit:.0f}s"
         if stalled:
-            age, rank, step = max(stalled)
+            age, _rank = max(stalled)
             if age > limit:
                 lowest = min(self._last.items(), key=lambda kv: kv[1][0])[0]
-                return lowest, (f"no progress for {age:.0f}s (hang timeout {limit:.0f}s); ranks stuck at step "
-                                f"{ {r: s for r, (s, _) in sorted(self._last.items())} }, lowest rank {lowest}")
+                return lowest, (
+                    f"no progress for {age:.0f}s (hang timeout {limit:.0f}s); ranks stuck at step "
+                    f"{ {r: s for r, (s, _) in sorted(self._last.items())} }, lowest rank {lowest}"
+                )
         return None
 
 

@@ -49,7 +49,9 @@ class WorkerError(ClusterError):
         self.traceback = traceback
 
     def __str__(self) -> str:
-        return f"rank {self.rank} raised {self.exc_type} at step {self.step}: {self.message}\n{self.traceback}"
+        return (
+            f"rank {self.rank} raised {self.exc_type} at step {self.step}: {self.message}\n{self.traceback}"
+        )
 
     @property
     def signature(self) -> tuple[str, str, int]:

@@ -130,7 +130,9 @@ class Progress:
         )
         self.out.flush()
 
-    def epoch_line(self, epoch: int, epochs: int, step: int, loss: float, samples_per_s: float, eta_s: float) -> None:
+    def epoch_line(
+        self, epoch: int, epochs: int, step: int, loss: float, samples_per_s: float, eta_s: float
+    ) -> None:
         if self.tty:
             self.out.write("\r" + " " * 100 + "\r")
         self.out.write(

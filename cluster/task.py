@@ -35,7 +35,9 @@ class Task:
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         lr = float(self.args.get("lr", 1e-3))
-        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=float(self.args.get("weight_decay", 0.0)))
+        return torch.optim.AdamW(
+            model.parameters(), lr=lr, weight_decay=float(self.args.get("weight_decay", 0.0))
+        )
 
     def build_scheduler(
         self, optimizer: torch.optim.Optimizer, total_steps: int

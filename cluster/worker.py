@@ -193,7 +193,9 @@ class Worker:
         self.global_step = int(state["global_step"])
         self.epoch = int(state["epoch"])
         self.step_in_epoch = int(state["step_in_epoch"])
-        return ResumePoint(self.global_step, self.epoch, self.step_in_epoch, self.store.storage.url()), skipped
+        return ResumePoint(
+            self.global_step, self.epoch, self.step_in_epoch, self.store.storage.url()
+        ), skipped
 
     def _all_skipped(self) -> list[tuple[int, str]]:
         return [(i.step, "failed verification") for i in self.store.list()]
@@ -213,7 +215,7 @@ class Worker:
             self._in_epoch = False
 
     def _run_epoch(self, epoch: int, start_step: int) -> EpochResult:
-        cfg, tcfg = self.cfg, self.cfg.training
+        tcfg = self.cfg.training
         self.sampler.set_epoch(epoch, start_step)
         self.epoch, self.step_in_epoch = epoch, start_step
         self.model.train()
@@ -252,7 +254,7 @@ class Worker:
         if self.device.type == "cuda":
             totals = totals.to(self.device)
         dist.all_reduce(totals)
-        mean_loss = float(totals[0] / max(totals[1], 1.0))
+        mean_loss = float(totals[0]) / max(float(totals[1]), 1.0)
         return EpochResult(
             rank=self.rank,
             epoch=epoch,
@@ -317,7 +319,9 @@ class Worker:
     def _checkpoint_due_at_epoch_end(self, epoch: int) -> bool:
         every = self.cfg.checkpoint.every_epochs
         last = epoch + 1 == self.cfg.training.epochs
-        by_steps = bool(self.cfg.checkpoint.every_steps) and self.global_step % self.cfg.checkpoint.every_steps == 0
+        by_steps = (
+            bool(self.cfg.checkpoint.every_steps) and self.global_step % self.cfg.checkpoint.every_steps == 0
+        )
         return last or by_steps or (bool(every) and (epoch + 1) % every == 0)
 
     def _checkpoint(self) -> float:
@@ -339,7 +343,10 @@ class Worker:
         }
         meta = {"world_size": self.world_size, "step_in_epoch": step_in_epoch, "attempt": self.attempt}
         stall = self._writer.save(
-            self.global_step, epoch, meta, {"model.pt": self.raw_model.state_dict(), "train_state.pt": train_state}
+            self.global_step,
+            epoch,
+            meta,
+            {"model.pt": self.raw_model.state_dict(), "train_state.pt": train_state},
         )
         self._last_step_at = time.time()
         return stall

@@ -109,20 +109,20 @@ class RayWorkerGroup:
             env.update(GLOO_SOCKET_IFNAME=s.socket_ifname, NCCL_SOCKET_IFNAME=s.socket_ifname)
         cls = ray.remote(_WorkerActor)
         for rank in range(world_size):
-            opts: dict[str, Any] = dict(
-                num_cpus=s.cpus_per_worker,
-                num_gpus=1 if s.use_gpu else 0,
-                resources=dict(s.resources_per_worker),
-                max_concurrency=2,
-                max_restarts=0,
-                name=f"cluster:{self.cfg.name}:rank{rank}:attempt{self.attempt}",
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
+            opts: dict[str, Any] = {
+                "num_cpus": s.cpus_per_worker,
+                "num_gpus": 1 if s.use_gpu else 0,
+                "resources": dict(s.resources_per_worker),
+                "max_concurrency": 2,
+                "max_restarts": 0,
+                "name": f"cluster:{self.cfg.name}:rank{rank}:attempt{self.attempt}",
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=rank
                 ),
-                runtime_env={"env_vars": env},
-            )
+                "runtime_env": {"env_vars": env},
+            }
             self.actors.append(
-                cls.options(**opts).remote(self.cfg, rank, world_size, self.run_url, self.attempt)  # type: ignore[attr-defined]
+                cls.options(**opts).remote(self.cfg, rank, world_size, self.run_url, self.attempt)
             )
         timeout = self.cfg.failures.process_group_timeout_s
         self.nodes = self._get([a.node.remote() for a in self.actors], timeout)

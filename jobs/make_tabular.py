@@ -1,7 +1,7 @@
 """Write a synthetic, learnable tabular classification dataset as Parquet (local folder or any fsspec URL).
 
-    python -m jobs.make_tabular --out ./data/tabular --rows 20000
-    python -m jobs.make_tabular --out s3://bucket/tabular --rows 20000   # needs s3fs and credentials
+python -m jobs.make_tabular --out ./data/tabular --rows 20000
+python -m jobs.make_tabular --out s3://bucket/tabular --rows 20000   # needs s3fs and credentials
 """
 
 from __future__ import annotations

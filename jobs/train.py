@@ -34,7 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--config", required=True, help="YAML job spec, e.g. jobs/configs/tiny_cpu.yaml")
     p.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="override a config key (dotted, e.g. training.epochs=5; short: name, storage, epochs, workers)",
     )
     p.add_argument("--result-json", help="also write the result object as JSON to this local file")
@@ -65,8 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.result_json:
         with open(args.result_json, "w") as fh:
             fh.write(result_to_json(result))
-    print(f"result: status={result.status} steps={result.global_step} loss={result.metrics.get('loss')} "
-          f"latest_checkpoint={result.latest_checkpoint}")
+    print(
+        f"result: status={result.status} steps={result.global_step} loss={result.metrics.get('loss')} "
+        f"latest_checkpoint={result.latest_checkpoint}"
+    )
     return 0
 
 

@@ -13,9 +13,24 @@ from cluster import Task, TensorBatchDataset
 
 # Modules present in every CPython 3.x; read in this order so the corpus is fixed for a Python version.
 CORPUS_FILES = [
-    "functools.py", "collections/__init__.py", "inspect.py", "argparse.py", "textwrap.py",
-    "dataclasses.py", "typing.py", "pathlib.py", "shutil.py", "subprocess.py", "json/encoder.py",
-    "json/decoder.py", "string.py", "random.py", "statistics.py", "heapq.py", "bisect.py", "csv.py",
+    "functools.py",
+    "collections/__init__.py",
+    "inspect.py",
+    "argparse.py",
+    "textwrap.py",
+    "dataclasses.py",
+    "typing.py",
+    "pathlib.py",
+    "shutil.py",
+    "subprocess.py",
+    "json/encoder.py",
+    "json/decoder.py",
+    "string.py",
+    "random.py",
+    "statistics.py",
+    "heapq.py",
+    "bisect.py",
+    "csv.py",
 ]
 
 
@@ -37,7 +52,9 @@ def load_corpus(max_chars: int) -> bytes:
 
 
 class CharTransformer(nn.Module):
-    def __init__(self, vocab: int, context: int, d_model: int, n_layers: int, n_heads: int, dropout: float) -> None:
+    def __init__(
+        self, vocab: int, context: int, d_model: int, n_layers: int, n_heads: int, dropout: float
+    ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d_model)
         self.pos = nn.Embedding(context, d_model)
@@ -47,7 +64,9 @@ class CharTransformer(nn.Module):
         self.blocks = nn.TransformerEncoder(layer, n_layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(context), persistent=False)
+        self.register_buffer(
+            "mask", nn.Transformer.generate_square_subsequent_mask(context), persistent=False
+        )
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
@@ -68,8 +87,12 @@ class CharLMTask(Task):
     def build_model(self) -> nn.Module:
         a = self.args
         return CharTransformer(
-            256, self.context, int(a.get("d_model", 64)), int(a.get("n_layers", 2)),
-            int(a.get("n_heads", 4)), float(a.get("dropout", 0.0)),
+            256,
+            self.context,
+            int(a.get("d_model", 64)),
+            int(a.get("n_layers", 2)),
+            int(a.get("n_heads", 4)),
+            float(a.get("dropout", 0.0)),
         )
 
     def build_train_dataset(self) -> TensorBatchDataset:

@@ -30,7 +30,11 @@ class TabularTask(Task):
     def build_model(self) -> nn.Module:
         h = int(self.args.get("hidden", 128))
         return nn.Sequential(
-            nn.Linear(len(self.features), h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, self.num_classes)
+            nn.Linear(len(self.features), h),
+            nn.ReLU(),
+            nn.Linear(h, h),
+            nn.ReLU(),
+            nn.Linear(h, self.num_classes),
         )
 
     def build_train_dataset(self) -> TensorBatchDataset:
