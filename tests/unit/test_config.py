@@ -1,0 +1,99 @@
+"""Config validation: every bad input is one ConfigError naming the key and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.config import JobConfig, field_docs, load_config, parse_fault_env
+from cluster.errors import ConfigError
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
+
+TINY = "jobs/configs/tiny_cpu.yaml"
+
+BAD = [
+    (["trainig.epochs=3"], "unknown key 'trainig'"),
+    (["training.epoch=3"], "did you mean 'training.epochs'"),
+    (["training.epochs=0"], "training.epochs=0 must be at least 1"),
+    (["training.epochs=three"], "training.epochs must be an integer"),
+    (["training.epochs=2.5"], "training.epochs must be an integer"),
+    (["workers=0"], "scaling.num_workers=0 must be at least 1"),
+    (["training.global_batch_size=63"], "set training.global_batch_size to a multiple of 2"),
+    (["training.grad_accum_steps=3", "training.global_batch_size=64"], "multiple of 6"),
+    (["scaling.min_workers=3"], "scaling.min_workers=3 must be between 1 and scaling.num_workers=2"),
+    (["scaling.use_gpu=maybe"], "scaling.use_gpu must be true or false"),
+    (["scaling.placement_strategy=RANDOM"], "choose one of 'PACK'"),
+    (["scaling.cpus_per_worker=0"], "scaling.cpus_per_worker=0.0 must be positive"),
+    (["training.amp=fp8"], "training.amp='fp8' is not allowed"),
+    (["training.grad_clip=-1"], "training.grad_clip=-1.0 must be positive"),
+    (["checkpoint.keep_last=0"], "checkpoint.keep_last=0 must be at least 1"),
+    (["checkpoint.every_steps=-5"], "checkpoint.every_steps=-5 must be 0 (off) or positive"),
+    (["failures.max_failures=-2"], "failures.max_failures=-2 must be -1 (unlimited)"),
+    (["failures.hang_timeout_s=0"], "failures.hang_timeout_s=0.0 must be positive"),
+    (["name=../escape"], "is not a valid run name"),
+    (["name=a/b"], "is not a valid run name"),
+    (["name=s3://bucket/x"], "is not a valid run name"),
+    (["task=not a path"], "must be an import path"),
+    (["storage="], "storage.url is empty"),
+    (["failures.inject=[{rank: 5, step: 3}]"], "failures.inject[0].rank=5 is not a rank of this job"),
+    (["failures.inject=[{rank: 0, step: 3, kind: explode}]"], "failures.inject[0].kind='explode' is not allowed"),
+    (["scaling=4"], "scaling must be a mapping"),
+    (["training.epochs"], "must look like key=value"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_input_is_one_clear_error(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, overrides)
+    assert message in str(info.value)
+
+
+def test_missing_file_and_bad_yaml(tmp_path: object) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("/nonexistent/job.yaml")
+    bad = f"{tmp_path}/bad.yaml"
+    with open(bad, "w") as fh:
+        fh.write("training: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with open(bad, "w") as fh:
+        fh.write("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(bad)
+
+
+def test_overrides_and_aliases() -> None:
+    cfg = load_config(TINY, ["epochs=7", "storage=s3://b/runs", "name=x1", "training.amp=bf16", "workers=4"])
+    assert cfg.training.epochs == 7
+    assert cfg.storage.url == "s3://b/runs"
+    assert cfg.name == "x1"
+    assert cfg.training.amp == "bf16"
+    assert cfg.scaling.num_workers == 4
+    assert cfg.effective_min_workers == 4
+    assert isinstance(cfg.scaling.cpus_per_worker, float)
+
+
+def test_defaults_are_valid_and_secrets_redacted() -> None:
+    cfg = load_config(data={"storage": {"url": "s3://b", "options": {"secret": "hunter2hunter2"}}})
+    assert isinstance(cfg, JobConfig)
+    assert "hunter2hunter2" not in str(cfg.to_dict())
+    assert cfg.to_dict(redact=False)["storage"]["options"]["secret"] == "hunter2hunter2"
+
+
+def test_fault_env_parsing() -> None:
+    spec = parse_fault_env("1:30:crash", 2)
+    assert (spec.rank, spec.step, spec.kind, spec.attempt) == (1, 30, "crash", 0)
+    assert parse_fault_env("0:5:hang:-1", 2).attempt == -1
+    with pytest.raises(ConfigError, match="rank:step:kind"):
+        parse_fault_env("1-30-crash", 2)
+    with pytest.raises(ConfigError, match="not a rank"):
+        parse_fault_env("3:30:crash", 2)
+
+
+def test_field_docs_cover_every_key() -> None:
+    rows = field_docs()
+    keys = [r[0] for r in rows]
+    assert "training.global_batch_size" in keys
+    assert "failures.inject" in keys
+    assert all(doc for key, _, _, doc in rows if key != "storage"), [k for k, _, _, d in rows if not d]
