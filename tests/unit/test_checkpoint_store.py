@@ -1,0 +1,114 @@
+"""Checkpoint store on memory:// and a local folder: commit, latest, retention, torn checkpoints ignored."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+from cluster.checkpoint import CheckpointStore, CheckpointWriter, serialize, step_dir
+from cluster.storage import Storage
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+
+
+@pytest.fixture(params=["memory", "local"])
+def store(request: pytest.FixtureRequest, tmp_path: object) -> CheckpointStore:
+    root = f"memory://ckpt-{uuid.uuid4().hex}/run" if request.param == "memory" else f"{tmp_path}/run"
+    return CheckpointStore(Storage(root))
+
+
+def commit(store: CheckpointStore, step: int) -> None:
+    files = {"model.pt": serialize({"w": torch.full((4,), float(step))}), "train_state.pt": serialize({"step": step})}
+    store.commit(step, files, {"epoch": step // 10})
+
+
+def test_commit_list_latest(store: CheckpointStore) -> None:
+    assert store.load_latest() is None
+    for step in (5, 10, 15):
+        commit(store, step)
+    assert [i.step for i in store.list()] == [5, 10, 15]
+    latest = store.load_latest()
+    assert latest is not None
+    assert latest.info.step == 15
+    assert torch.equal(latest.files["model.pt"]["w"], torch.full((4,), 15.0))
+    assert latest.skipped == []
+    assert store.list()[-1].manifest["files"]["model.pt"]["size"] > 0
+
+
+def test_torn_checkpoint_without_manifest_is_ignored(store: CheckpointStore) -> None:
+    commit(store, 10)
+    # a write that died before its manifest: files present, no manifest.json
+    store.storage.write_bytes(f"{step_dir(20)}/model.pt", b"partial")
+    assert store.steps_on_storage() == [10, 20]
+    assert [i.step for i in store.list()] == [10]
+    latest = store.load_latest()
+    assert latest is not None
+    assert latest.info.step == 10
+
+
+def test_corrupt_latest_falls_back_and_is_reported(store: CheckpointStore) -> None:
+    commit(store, 10)
+    commit(store, 20)
+    data = bytearray(store.storage.read_bytes(f"{step_dir(20)}/model.pt"))
+    data[len(data) // 2] ^= 0xFF
+    store.storage.write_bytes(f"{step_dir(20)}/model.pt", bytes(data))
+    latest = store.load_latest()
+    assert latest is not None
+    assert latest.info.step == 10
+    assert latest.skipped and latest.skipped[0][0] == 20
+    assert "checksum" in latest.skipped[0][1]
+
+
+def test_retention_keeps_last_k_and_cleans_torn_leftovers(store: CheckpointStore) -> None:
+    store.storage.write_bytes(f"{step_dir(3)}/model.pt", b"torn")
+    for step in (5, 10, 15, 20):
+        commit(store, step)
+    deleted = store.retain(keep_last=2)
+    assert sorted(deleted) == [3, 5, 10]
+    assert [i.step for i in store.list()] == [15, 20]
+    assert store.steps_on_storage() == [15, 20]
+
+
+def test_retention_never_deletes_a_newer_in_flight_write(store: CheckpointStore) -> None:
+    commit(store, 10)
+    store.storage.write_bytes(f"{step_dir(30)}/model.pt", b"being written")
+    store.retain(keep_last=1)
+    assert 30 in store.steps_on_storage()
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_writer_commits_in_order_and_reports(store: CheckpointStore, async_save: bool) -> None:
+    writer = CheckpointWriter(store, keep_last=2, async_save=async_save)
+    w = torch.zeros(1000)
+    for step in (1, 2, 3):
+        w += 1
+        stall = writer.save(step, 0, {"world_size": 1}, {"model.pt": {"w": w}, "train_state.pt": {"step": step}})
+        assert stall >= 0
+    writer.close()
+    records = writer.drain()
+    assert [r.step for r in records] == [1, 2, 3]
+    assert all(r.error is None for r in records)
+    assert [i.step for i in store.list()] == [2, 3]
+    # the snapshot was taken at save time, not when the background write ran
+    loaded = store.load_step(3)
+    assert torch.equal(loaded["model.pt"]["w"], torch.full((1000,), 3.0))
+    assert torch.equal(store.load_step(2)["model.pt"]["w"], torch.full((1000,), 2.0))
+
+
+def test_failed_write_is_recorded_and_never_committed(tmp_path: object) -> None:
+    class Broken(Storage):
+        def write_bytes(self, rel: str, data: bytes) -> None:
+            if rel.endswith("model.pt"):
+                raise OSError("disk full")
+            super().write_bytes(rel, data)
+
+    store = CheckpointStore(Broken(f"{tmp_path}/run", retries=0))
+    writer = CheckpointWriter(store, keep_last=2)
+    writer.save(1, 0, {}, {"model.pt": {"w": torch.ones(2)}, "train_state.pt": {}})
+    writer.close()
+    (record,) = writer.drain()
+    assert record.error is not None
+    assert "disk full" in record.error
+    assert store.list() == []
