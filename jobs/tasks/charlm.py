@@ -77,7 +77,7 @@ class CharTransformer(nn.Module):
 
 class CharLMTask(Task):
     """task_args: context (64), d_model (64), n_layers (2), n_heads (4), dropout (0.0), max_chars (300000),
-    lr (3e-3), warmup_steps (20)."""
+    lr (3e-3), warmup_steps (20), optimizer ("adamw" or "sgd")."""
 
     def __init__(self, **args: Any) -> None:
         super().__init__(**args)
@@ -103,7 +103,10 @@ class CharLMTask(Task):
         return TensorBatchDataset(x, y)
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(model.parameters(), lr=float(self.args.get("lr", 3e-3)), weight_decay=0.01)
+        lr = float(self.args.get("lr", 3e-3))
+        if self.args.get("optimizer", "adamw") == "sgd":
+            return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
 
     def build_scheduler(
         self, optimizer: torch.optim.Optimizer, total_steps: int

@@ -1,0 +1,97 @@
+"""Run cluster.worker.Worker in plain processes (no Ray): what the multiprocess tests drive."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from cluster.config import JobConfig, load_config
+from cluster.data import fetch_batch
+from cluster.worker import Worker
+
+
+def tiny_config(storage: str, overrides: list[str] | None = None) -> JobConfig:
+    base = [
+        f"storage={storage}",
+        "task_args.max_chars=30000",
+        "task_args.d_model=32",
+        "task_args.n_layers=1",
+        "task_args.context=32",
+        "training.global_batch_size=32",
+        "training.log_every_steps=1",
+        "checkpoint.async_save=false",
+    ]
+    return load_config("jobs/configs/tiny_cpu.yaml", base + (overrides or []))
+
+
+def _entry(rank: int, world: int, cfg: JobConfig, run_url: str, plan: list[tuple[int, int]], out: str,
+           port_q: Any, attempt: int, grads: bool) -> None:
+    try:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        worker = Worker(cfg, rank, world, run_url, attempt)
+        if rank == 0:
+            port = worker.bind_store()
+            for _ in range(world - 1):
+                port_q.put(port)
+        else:
+            port = port_q.get(timeout=60)
+        info = worker.setup("127.0.0.1", port)
+        result: dict[str, Any] = {"resume": info.resume, "epochs": []}
+        if grads:
+            result["grads"] = one_backward(worker)
+        for epoch, start in plan:
+            if epoch < 0:  # "from wherever setup resumed"
+                epoch, start = info.resume.epoch, info.resume.step_in_epoch
+            r = worker.run_epoch(epoch, start)
+            result["epochs"].append((r.epoch, r.global_step, r.loss))
+        worker.finish()
+        result["params"] = {k: v.detach().clone() for k, v in worker.raw_model.state_dict().items()}
+        torch.save(result, f"{out}/rank{rank}.pt")
+        worker.shutdown()
+    except BaseException:
+        with open(f"{out}/rank{rank}.err", "w") as fh:
+            fh.write(traceback.format_exc())
+        raise
+
+
+def one_backward(worker: Worker) -> dict[str, torch.Tensor]:
+    """Gradients after one DDP backward on this rank's share (all-reduced by DDP)."""
+    worker.sampler.set_epoch(0, 0)
+    idx = next(iter(worker.sampler))
+    batch = fetch_batch(worker.dataset, idx)
+    loss, _ = worker.task.compute_loss(worker.model, batch)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in worker.raw_model.named_parameters() if p.grad is not None}
+    worker.optimizer.zero_grad(set_to_none=True)
+    return grads
+
+
+def run_workers(world: int, cfg: JobConfig, run_url: str, plan: list[tuple[int, int]], out: str,
+                attempt: int = 0, grads: bool = False, timeout: float = 120) -> list[dict[str, Any]]:
+    """Start ``world`` processes, run ``plan`` (list of (epoch, start_step)), return each rank's result."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_entry, args=(r, world, cfg, run_url, plan, out, q, attempt, grads))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout)
+        for r, p in enumerate(procs):
+            if p.is_alive():
+                raise TimeoutError(f"rank {r} did not finish within {timeout}s")
+            if p.exitcode != 0:
+                err = f"{out}/rank{r}.err"
+                text = open(err).read() if os.path.exists(err) else f"exit code {p.exitcode}"
+                raise RuntimeError(f"rank {r} failed:\n{text}")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return [torch.load(f"{out}/rank{r}.pt", weights_only=False) for r in range(world)]

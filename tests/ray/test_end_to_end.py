@@ -1,0 +1,81 @@
+"""The tiny job end to end on a real local Ray: trains, checkpoints, resumes, says when it is done."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+
+from cluster import load_config, train
+from cluster.checkpoint import CheckpointStore
+from cluster.storage import Storage
+from jobs.tasks.charlm import CharLMTask
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+
+
+def events(run_url: str) -> list[dict]:
+    return [json.loads(line) for line in open(f"{run_url}/events.jsonl") if line.strip()]
+
+
+def test_tiny_job_trains_checkpoints_and_resumes(ray_local: None, tiny_overrides: list[str]) -> None:
+    overrides = [*tiny_overrides, "name=e2e", "training.epochs=2", "checkpoint.every_steps=10"]
+    out = io.StringIO()
+    first = train(load_config("jobs/configs/tiny_cpu.yaml", overrides), out=out)
+    assert first.status == "finished"
+    steps_per_epoch = first.global_step // 2
+    assert first.global_step == 2 * steps_per_epoch > 0
+    text = out.getvalue()
+    assert "epoch 1/2" in text and "epoch 2/2" in text and "samples/s" in text and "ETA" in text
+
+    # loss fell, as recorded in the run's own metrics
+    ev = events(first.run_url)
+    losses = [e["loss"] for e in ev if e["event"] == "epoch_end"]
+    assert len(losses) == 2 and losses[1] < losses[0]
+
+    # a verified checkpoint at the last step, loadable for inference with weights_only=True
+    store = CheckpointStore(Storage(first.run_url))
+    latest = store.load_latest()
+    assert latest is not None and latest.info.step == first.global_step
+    assert latest.info.manifest["world_size"] == 2
+    assert first.latest_checkpoint == latest.info.url
+    task = CharLMTask(**load_config("jobs/configs/tiny_cpu.yaml", overrides).task_args)
+    model = task.build_model()
+    state = torch.load(f"{latest.info.url}/model.pt", weights_only=True)
+    model.load_state_dict(state)
+    assert torch.equal(model.state_dict()["head.weight"], latest.files["model.pt"]["head.weight"])
+
+    # same name and storage, more epochs: resumes and trains only the new epoch
+    second = train(load_config("jobs/configs/tiny_cpu.yaml", [*overrides, "training.epochs=3"]), out=io.StringIO())
+    assert second.global_step == 3 * steps_per_epoch
+    ev = events(first.run_url)
+    started = [e for e in ev if e["event"] == "group_started"]
+    assert started[-1]["resume_step"] == first.global_step
+    assert [e["epoch"] for e in ev if e["event"] == "epoch_end"] == [0, 1, 2]
+
+    # everything done: says so, trains nothing
+    out = io.StringIO()
+    third = train(load_config("jobs/configs/tiny_cpu.yaml", [*overrides, "training.epochs=3"]), out=out)
+    assert third.status == "finished" and third.global_step == second.global_step
+    assert "already done" in out.getvalue()
+
+    # metrics readable with one pyarrow call
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(f"{first.run_url}/metrics")
+    kinds = table.column("kind").to_pylist()
+    assert kinds.count("epoch") == 3 and kinds.count("step") >= 3 * steps_per_epoch
+
+
+def test_changed_task_or_batch_on_resume_is_refused(ray_local: None, tiny_overrides: list[str]) -> None:
+    from cluster.errors import ConfigError
+
+    overrides = [*tiny_overrides, "name=compat", "training.epochs=1", "training.max_steps_per_epoch=2"]
+    train(load_config("jobs/configs/tiny_cpu.yaml", overrides), out=io.StringIO())
+    before = open(f"{tiny_overrides[0].split('=', 1)[1]}/compat/events.jsonl").read()
+    with pytest.raises(ConfigError, match="training.global_batch_size=64 differs"):
+        train(load_config("jobs/configs/tiny_cpu.yaml", [*overrides, "training.global_batch_size=64"]))
+    # nothing already written was changed by the refused start
+    assert open(f"{tiny_overrides[0].split('=', 1)[1]}/compat/events.jsonl").read() == before
