@@ -93,9 +93,10 @@ class FaultSpec:
     """Rank that misbehaves."""
     step: int = 1
     """Global step (1-based optimizer step count) at which it misbehaves, before running that step."""
-    kind: Literal["crash", "hang", "raise"] = "crash"
-    """``crash``: the process exits at once (like SIGKILL); ``hang``: it stops making progress;
-    ``raise``: user code raises RuntimeError."""
+    kind: Literal["crash", "hang", "raise", "crash_in_checkpoint"] = "crash"
+    """``crash``: the process is SIGKILLed before the step; ``hang``: it stops making progress;
+    ``raise``: user code raises RuntimeError; ``crash_in_checkpoint``: rank 0 is SIGKILLed while writing
+    the checkpoint of that step, after its files and before its manifest."""
     attempt: int = 0
     """Attempt (0 = first start, 1 = after the first recovery...) on which it fires; -1 = every attempt."""
 

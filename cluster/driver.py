@@ -7,6 +7,7 @@ epoch's result and reads a heartbeat (global step, time of the last step) about 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import os
@@ -23,7 +24,7 @@ from cluster.checkpoint import CheckpointStore
 from cluster.config import FailureConfig, JobConfig
 from cluster.errors import ConfigError, Failure, ResourcesUnavailableError, TrainingFailedError
 from cluster.metrics import EventLog, Progress, write_metrics
-from cluster.storage import Storage, join, normalize_url
+from cluster.storage import PROBE_ENV, Storage, join, normalize_url, write_probe
 from cluster.worker import EpochResult, SetupInfo
 
 __version__ = "0.1.0"
@@ -200,7 +201,10 @@ class Driver:
         cfg = self.cfg
         target, minimum = cfg.scaling.num_workers, cfg.effective_min_workers
         t0 = time.time()
-        self.group = self.group_factory(cfg, self.run_url, self.attempt)
+        # Every worker checks it sees this token (Worker.setup): storage visible only here fails at once.
+        probe_env = {**cfg.scaling.env, PROBE_ENV: write_probe(self.storage)}
+        group_cfg = dataclasses.replace(cfg, scaling=dataclasses.replace(cfg.scaling, env=probe_env))
+        self.group = self.group_factory(group_cfg, self.run_url, self.attempt)
         sizes = list(range(target, minimum - 1, -1))
         try:
             n = self.group.reserve(sizes, cfg.scaling.resource_wait_s)
@@ -220,6 +224,8 @@ class Driver:
             self._print(f"continuing with {n}/{target} workers (scaling.min_workers={minimum})")
         try:
             infos = self.group.start(n)
+        except ConfigError:
+            raise  # e.g. workers import other code than the driver: retrying cannot help
         except Exception as exc:
             self._on_failure(
                 self.group.classify(exc)
@@ -245,6 +251,7 @@ class Driver:
             backend=head.backend,
             resume_step=r.global_step,
             resume_epoch=r.epoch,
+            pids=[i.pid for i in infos],
             hosts=sorted({i.hostname for i in infos}),
             seconds=round(t_ready - t0, 3),
         )

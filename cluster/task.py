@@ -7,12 +7,25 @@ import it; it is constructed on each worker with the config's ``task_args``.
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from cluster.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """Where training is when ``compute_loss`` runs (set by the worker as ``task.current``)."""
+
+    epoch: int
+    global_step: int
+    """1-based index of the optimizer step being computed."""
+    rank: int
+    world_size: int
+    attempt: int
 
 
 class Task:
@@ -23,6 +36,9 @@ class Task:
     mean loss over the batch and a dict of extra scalar metrics; the worker scales it so that DDP's
     gradient average equals the gradient of the mean over the global batch.
     """
+
+    current: StepInfo | None = None
+    """The step being trained, for tasks that log or audit what they see."""
 
     def __init__(self, **task_args: Any) -> None:
         self.args = task_args

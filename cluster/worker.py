@@ -28,12 +28,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cluster import dist as cdist
-from cluster.checkpoint import CheckpointStore, CheckpointWriter, CommitRecord
+from cluster.checkpoint import CheckpointStore, CheckpointWriter, CommitRecord, step_dir
 from cluster.config import FaultSpec, JobConfig, parse_fault_env
 from cluster.data import ResumableDistributedSampler, fetch_batch
 from cluster.errors import WorkerError
-from cluster.storage import Storage
-from cluster.task import Task, build_task
+from cluster.storage import PROBE_ENV, Storage, check_probe
+from cluster.task import StepInfo, Task, build_task
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,8 @@ class Worker:
     def setup(self, host: str, port: int) -> SetupInfo:
         t = {"start": time.time()}
         cfg = self.cfg
+        if os.environ.get(PROBE_ENV):  # set by the driver: prove this node sees the driver's storage
+            check_probe(Storage(self.run_url, cfg.storage.options), os.environ[PROBE_ENV])
         self.device = cdist.pick_device(cfg.scaling.use_gpu)
         store = self._store if self.rank == 0 else None
         if store is None:
@@ -150,6 +152,9 @@ class Worker:
         self.scheduler = self.task.build_scheduler(self.optimizer, total_steps)
 
         self.store = CheckpointStore(Storage(self.run_url, cfg.storage.options))
+        crash_steps = {f.step for f in self.faults if f.kind == "crash_in_checkpoint"}
+        if crash_steps:
+            self.store = _CrashingStore(self.store.storage, crash_steps)
         resume, skipped = self._resume()
         t["checkpoint_load"] = time.time()
         if self.rank == 0:
@@ -198,7 +203,7 @@ class Worker:
         ), skipped
 
     def _all_skipped(self) -> list[tuple[int, str]]:
-        return [(i.step, "failed verification") for i in self.store.list()]
+        return list(self.store.last_skipped)
 
     # ----------------------------------------------------------------- training
     def run_epoch(self, epoch: int, start_step: int) -> EpochResult:
@@ -230,6 +235,7 @@ class Worker:
             self._maybe_inject_fault()
             t0 = time.perf_counter()
             torch.manual_seed(_step_seed(tcfg.seed, self.global_step, self.rank))
+            self.task.current = StepInfo(epoch, self.global_step + 1, self.rank, self.world_size, self.attempt)
             loss = self._train_step(local_idx)
             self.global_step += 1
             self.step_in_epoch += 1
@@ -355,7 +361,7 @@ class Worker:
     def _maybe_inject_fault(self) -> None:
         next_step = self.global_step + 1
         for fault in self.faults:
-            if fault.step != next_step:
+            if fault.step != next_step or fault.kind == "crash_in_checkpoint":
                 continue
             if fault.kind == "crash":
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -379,6 +385,21 @@ class Worker:
         if self._writer is not None:
             self._writer.close(flush=False)
         cdist.destroy_process_group()
+
+
+class _CrashingStore(CheckpointStore):
+    """Fault injection: die after writing a checkpoint's files, before its manifest (a torn write)."""
+
+    def __init__(self, storage: Storage, steps: set[int]) -> None:
+        super().__init__(storage)
+        self.steps = steps
+
+    def commit(self, step: int, files: dict[str, bytes], meta: dict[str, Any]) -> Any:
+        if step in self.steps:
+            for name, data in files.items():
+                self.storage.write_bytes(f"{step_dir(step)}/{name}", data)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().commit(step, files, meta)
 
 
 @contextlib.contextmanager

@@ -6,7 +6,10 @@ the driver's heartbeat call (``progress``) is answered while ``run_epoch`` is bu
 
 from __future__ import annotations
 
+import hashlib
+import os
 import time
+from functools import cache
 from typing import Any
 
 import ray
@@ -15,7 +18,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import JobConfig
-from cluster.errors import Failure, ResourcesUnavailableError, WorkerError
+from cluster.errors import ConfigError, Failure, ResourcesUnavailableError, WorkerError
 from cluster.worker import EpochResult, Progress, SetupInfo, Worker, worker_env
 
 
@@ -27,6 +30,9 @@ class _WorkerActor:
     def node(self) -> tuple[str, str]:
         ctx = ray.get_runtime_context()
         return ctx.get_node_id(), ray.util.get_node_ip_address()
+
+    def code(self) -> tuple[str, str]:
+        return code_fingerprint()
 
     def bind_store(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), self.worker.bind_store()
@@ -126,6 +132,7 @@ class RayWorkerGroup:
             )
         timeout = self.cfg.failures.process_group_timeout_s
         self.nodes = self._get([a.node.remote() for a in self.actors], timeout)
+        _check_same_code(self._get([a.code.remote() for a in self.actors], timeout), self.nodes)
         host, port = self._get([self.actors[0].bind_store.remote()], timeout)[0]
         return self._get([a.setup.remote(host, port) for a in self.actors], timeout)
 
@@ -219,6 +226,37 @@ class RayWorkerGroup:
             except Exception:
                 pass
             self.pg = None
+
+
+# The modules a worker runs; the operator tools (inspect, __main__) do not change what trains.
+_TRAINING_MODULES = ("checkpoint.py", "config.py", "data.py", "dist.py", "errors.py", "storage.py", "task.py",
+                     "worker.py", "worker_group.py")
+
+
+@cache
+def code_fingerprint() -> tuple[str, str]:
+    """(directory, sha256 of its sources) of the ``cluster`` package this process imported."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256()
+    for name in _TRAINING_MODULES:
+        if os.path.exists(os.path.join(here, name)):
+            with open(os.path.join(here, name), "rb") as fh:
+                digest.update(name.encode() + b"\0" + fh.read())
+    return here, digest.hexdigest()
+
+
+def _check_same_code(codes: list[tuple[str, str]], nodes: list[tuple[str, str]]) -> None:
+    """Refuse to train when a worker imported a different ``cluster`` than the driver (e.g. a node's
+    installed copy instead of the job's ``--working-dir``): mixed code silently breaks checkpoints."""
+    here, mine = code_fingerprint()
+    for rank, (where, theirs) in enumerate(codes):
+        if theirs != mine:
+            raise ConfigError(
+                f"rank {rank} on {nodes[rank][1]} imports the cluster package from {where} (sources "
+                f"{theirs[:12]}) but the driver runs {here} ({mine[:12]}): the workers would not run the job's "
+                "code. Submit with `ray job submit --working-dir <repo root>` (Ray puts it first on every "
+                "worker's PYTHONPATH), or install the same version of this package on every node"
+            )
 
 
 _COLLATERAL = ("Connection reset", "Connection closed", "Broken pipe", "Socket Timeout", "peer", "Gloo")

@@ -1,0 +1,183 @@
+"""Failures on a real local Ray: SIGKILLed workers, torn checkpoint writes, hangs, user exceptions.
+
+The strongest check: a run interrupted and resumed at the same world size ends with a model.pt that is
+bitwise equal to the fault-free run's (CPU/gloo; every step reseeds RNGs from (seed, step, rank))."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from cluster import load_config, train
+from cluster.checkpoint import CheckpointStore
+from cluster.errors import TrainingFailedError
+from cluster.storage import Storage
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
+
+EPOCHS, STEPS = 2, 15  # 30 steps; checkpoints every 5 steps and at each epoch end
+
+
+def overrides(storage: str, name: str, *extra: str) -> list[str]:
+    return [
+        f"storage={storage}", f"name={name}", "task=tests.audit_task:SlowCharLM",
+        "task_args.max_chars=40000", "task_args.d_model=32", "task_args.n_layers=1", "task_args.context=32",
+        "task_args.step_sleep_s=0.05", "task_args.dropout=0.1",
+        "training.global_batch_size=32", f"training.epochs={EPOCHS}", f"training.max_steps_per_epoch={STEPS}",
+        "training.log_every_steps=1", "checkpoint.every_steps=5", "checkpoint.keep_last=10",
+        "failures.backoff_s=0.1", "failures.hang_timeout_floor_s=60", *extra,
+    ]
+
+
+def final_model(run_url: str) -> dict[str, torch.Tensor]:
+    latest = CheckpointStore(Storage(run_url)).load_latest()
+    assert latest is not None
+    assert latest.info.step == EPOCHS * STEPS
+    return latest.files["model.pt"]
+
+
+def events(run_url: str, kind: str | None = None) -> list[dict]:
+    ev = [json.loads(line) for line in open(f"{run_url}/events.jsonl") if line.strip()]
+    return [e for e in ev if kind is None or e["event"] == kind]
+
+
+@pytest.fixture(scope="module")
+def reference(ray_local: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    root = tmp_path_factory.mktemp("ref")
+    result = train(load_config("jobs/configs/tiny_cpu.yaml", overrides(str(root), "ref")), out=io.StringIO())
+    assert result.status == "finished" and result.attempts == 1
+    return final_model(result.run_url)
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs"
+
+
+def kill_when(run_url: str, ready: "callable", rank: int, delay: float = 0.0) -> threading.Thread:
+    """SIGKILL rank ``rank``'s process from outside once ``ready()`` holds (pids come from events.jsonl)."""
+
+    def go() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                started = events(run_url, "group_started")
+            except (FileNotFoundError, json.JSONDecodeError):
+                started = []
+            if started and ready():
+                time.sleep(delay)
+                os.kill(started[0]["pids"][rank], signal.SIGKILL)
+                return
+            time.sleep(0.02)
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t
+
+
+def committed(run_url: str, step: int) -> bool:
+    return os.path.exists(f"{run_url}/checkpoints/step_{step:09d}/manifest.json")
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    ["inject_crash_first_epoch", "sigkill_right_after_checkpoint", "sigkill_mid_epoch", "crash_during_checkpoint"],
+)
+def test_killed_worker_recovers_bitwise_equal(reference: dict, tmp_path: object, scenario: str) -> None:
+    storage = f"{tmp_path}/runs"
+    run_url = f"{storage}/{scenario}"
+    extra: list[str] = []
+    killer = None
+    if scenario == "inject_crash_first_epoch":
+        extra = ["failures.inject=[{rank: 1, step: 3, kind: crash}]"]
+    elif scenario == "crash_during_checkpoint":
+        extra = ["failures.inject=[{rank: 0, step: 10, kind: crash_in_checkpoint}]"]
+    elif scenario == "sigkill_right_after_checkpoint":
+        killer = kill_when(run_url, lambda: committed(run_url, 10), rank=1)
+    else:  # mid epoch 2, between checkpoints 20 and 25
+        killer = kill_when(run_url, lambda: committed(run_url, 20), rank=0, delay=0.12)
+    result = train(load_config("jobs/configs/tiny_cpu.yaml", overrides(storage, scenario, *extra)), out=io.StringIO())
+    if killer is not None:
+        killer.join(1)
+    assert result.status == "finished"
+    assert result.attempts == 2, result.failures
+    assert result.failures[0]["kind"] in ("worker_died", "user_error")
+    failure = events(run_url, "failure")[0]
+    recovered = events(run_url, "recovered")
+    assert recovered and recovered[0]["detect_to_first_step_s"] > 0
+    assert recovered[0]["lost_steps"] <= 5 + 1, recovered  # at most one checkpoint interval
+    assert failure["kind"] == result.failures[0]["kind"]
+    if scenario == "crash_during_checkpoint":
+        # the torn step-10 write was never used: the retry resumed from step 5 and rewrote step 10
+        assert events(run_url, "group_started")[1]["resume_step"] == 5
+    assert_bitwise_equal(final_model(result.run_url), reference)
+
+
+def test_hang_is_detected_by_heartbeat_and_recovered(reference: dict, tmp_path: object) -> None:
+    storage = f"{tmp_path}/runs"
+    cfg = load_config(
+        "jobs/configs/tiny_cpu.yaml",
+        overrides(storage, "hang", "failures.inject=[{rank: 1, step: 12, kind: hang}]",
+                  "failures.hang_timeout_s=3", "failures.process_group_timeout_s=120"),
+    )
+    result = train(cfg, out=io.StringIO())
+    assert result.status == "finished"
+    assert [f["kind"] for f in result.failures] == ["hang"]
+    run_url = result.run_url
+    failure = events(run_url, "failure")[0]
+    assert "no progress" in failure["message"]
+    started = events(run_url, "group_started")[0]["time"]
+    # detected by the 3 s heartbeat timeout, long before the 120 s process-group timeout would fire
+    assert failure["time"] - started < 30
+    assert_bitwise_equal(final_model(run_url), reference)
+
+
+def test_user_exception_once_is_retried(tmp_path: object, ray_local: None) -> None:
+    cfg = load_config("jobs/configs/tiny_cpu.yaml",
+                      overrides(f"{tmp_path}/r", "once", "failures.inject=[{rank: 1, step: 7, kind: raise}]"))
+    result = train(cfg, out=io.StringIO())
+    assert result.status == "finished" and result.attempts == 2
+    assert result.failures[0]["kind"] == "user_error"
+    assert result.failures[0]["rank"] == 1
+    assert "injected fault on rank 1 at step 7" in result.failures[0]["message"]
+    assert "Traceback" in events(result.run_url, "failure")[0]["message"]
+
+
+def test_same_exception_same_step_twice_fails_fast(tmp_path: object, ray_local: None) -> None:
+    cfg = load_config(
+        "jobs/configs/tiny_cpu.yaml",
+        overrides(f"{tmp_path}/r", "bug", "failures.inject=[{rank: 0, step: 7, kind: raise, attempt: -1}]",
+                  "failures.max_failures=10"),
+    )
+    with pytest.raises(TrainingFailedError) as info:
+        train(cfg, out=io.StringIO())
+    text = str(info.value)
+    assert "happened twice at step 7" in text
+    assert "Traceback" in text and "injected fault on rank 0 at step 7" in text
+    run_url = f"{tmp_path}/r/bug"
+    assert len(events(run_url, "failure")) == 2  # not 11: the budget was not burned
+    latest = CheckpointStore(Storage(run_url)).load_latest()
+    assert latest is not None and latest.info.step == 5  # checkpoints intact
+
+
+def test_max_failures_exhausted_is_a_clear_error_with_checkpoints_intact(tmp_path: object, ray_local: None) -> None:
+    cfg = load_config(
+        "jobs/configs/tiny_cpu.yaml",
+        overrides(f"{tmp_path}/r", "budget", "failures.inject=[{rank: 1, step: 8, kind: crash, attempt: -1}]",
+                  "failures.max_failures=1"),
+    )
+    with pytest.raises(TrainingFailedError, match=r"failures.max_failures=1 exhausted \(2 failures\)"):
+        train(cfg, out=io.StringIO())
+    run_url = f"{tmp_path}/r/budget"
+    assert [e["kind"] for e in events(run_url, "failure")] == ["worker_died", "worker_died"]
+    latest = CheckpointStore(Storage(run_url)).load_latest()
+    assert latest is not None and latest.info.step == 5
+    assert events(run_url, "run_failed")
