@@ -75,7 +75,7 @@ def test_changed_task_or_batch_on_resume_is_refused(ray_local: None, tiny_overri
     overrides = [*tiny_overrides, "name=compat", "training.epochs=1", "training.max_steps_per_epoch=2"]
     train(load_config("jobs/configs/tiny_cpu.yaml", overrides), out=io.StringIO())
     before = open(f"{tiny_overrides[0].split('=', 1)[1]}/compat/events.jsonl").read()
-    with pytest.raises(ConfigError, match="training.global_batch_size=64 differs"):
+    with pytest.raises(ConfigError, match=r"training\.global_batch_size=64 differs"):
         train(load_config("jobs/configs/tiny_cpu.yaml", [*overrides, "training.global_batch_size=64"]))
     # nothing already written was changed by the refused start
     assert open(f"{tiny_overrides[0].split('=', 1)[1]}/compat/events.jsonl").read() == before

@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -62,7 +63,7 @@ def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
         assert torch.equal(a[k], b[k]), f"{k} differs"
 
 
-def kill_when(run_url: str, ready: "callable", rank: int, delay: float = 0.0) -> threading.Thread:
+def kill_when(run_url: str, ready: Callable[[], bool], rank: int, delay: float = 0.0) -> threading.Thread:
     """SIGKILL rank ``rank``'s process from outside once ``ready()`` holds (pids come from events.jsonl)."""
 
     def go() -> None:
