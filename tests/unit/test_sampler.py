@@ -80,5 +80,5 @@ def test_max_steps_and_too_small_dataset() -> None:
     assert len(list(s)) == 3
     from cluster.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="fewer than training.global_batch_size"):
+    with pytest.raises(ConfigError, match=r"fewer than training\.global_batch_size"):
         ResumableDistributedSampler(10, 64, 0, 1)
