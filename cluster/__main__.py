@@ -1,0 +1,113 @@
+"""Inspect runs in storage (any fsspec URL: a folder, s3://, gs://, memory://). Needs no Ray.
+
+    python -m cluster list ./runs                          # one line per run
+    python -m cluster show ./runs/tiny-cpu                 # config, failures, checkpoints, metrics
+    python -m cluster show s3://bucket/runs gpt-gpu --verify   # also checksum every checkpoint
+    python -m cluster plot ./runs/tiny-cpu --out tiny.png  # loss and samples/s vs global step
+    python -m cluster docs-config --write README.md        # regenerate the README's config reference
+
+Storage credentials come from the usual environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS) or from
+``-o key=value`` fsspec storage options (``-o endpoint_url=http://127.0.0.1:9000``).
+
+Exit status: 0 on success, 2 for a URL without runs, an unknown run name or a bad argument, 1 when storage
+cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from typing import Any
+
+import yaml
+
+from cluster import docs, inspect, plot
+from cluster.errors import StorageError
+
+
+def _options(pairs: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise inspect.InspectError(f"storage option {pair!r} must look like key=value")
+        out[key] = yaml.safe_load(raw) if raw.strip() else ""
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m cluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def add(name: str, help_text: str) -> argparse.ArgumentParser:
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        cmd.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+                         help="fsspec storage option (repeatable), e.g. endpoint_url=http://127.0.0.1:9000")
+        return cmd
+
+    ls = add("list", "the runs under a storage URL, one line each")
+    ls.add_argument("url", help="storage URL that holds runs, e.g. ./runs or s3://bucket/runs")
+    ls.add_argument("--no-verify", action="store_true",
+                    help="show the newest committed checkpoint without reading it to check its checksums")
+    ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    show = add("show", "one run: config, status, failures and recoveries, checkpoints, latest metrics")
+    show.add_argument("url", help="URL/NAME of a run, or the storage URL when NAME is given")
+    show.add_argument("name", nargs="?", help="run name under URL")
+    show.add_argument("--verify", action="store_true",
+                      help="checksum every checkpoint (default: only the latest, the one a resume loads)")
+    show.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    pl = add("plot", "loss and throughput (samples/s) vs global step, as a PNG")
+    pl.add_argument("url", help="URL/NAME of a run, or the storage URL when NAME is given")
+    pl.add_argument("name", nargs="?", help="run name under URL")
+    pl.add_argument("--out", required=True, help="PNG file to write, e.g. loss.png")
+
+    dc = sub.add_parser("docs-config", help="print the README's configuration reference (generated)")
+    dc.add_argument("--write", metavar="README", help="replace the reference block in this file instead")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "docs-config":
+            if args.write:
+                with open(args.write) as fh:
+                    text = fh.read()
+                with open(args.write, "w") as fh:
+                    fh.write(docs.replace(text))
+                print(f"updated the configuration reference in {args.write}")
+            else:
+                sys.stdout.write(docs.config_reference())
+            return 0
+        options = _options(args.option)
+        if args.command == "list":
+            runs = inspect.list_runs(args.url, options, verify=not args.no_verify)
+            print(json.dumps([asdict(r) for r in runs], indent=1) if args.json else inspect.format_list(runs))
+        elif args.command == "show":
+            report = inspect.report(inspect.open_run(args.url, args.name, options), verify_all=args.verify)
+            print(json.dumps(asdict(report), indent=1, default=str) if args.json else inspect.format_show(report))
+        elif args.command == "plot":
+            storage = inspect.open_run(args.url, args.name, options)
+            width, height = plot.plot_png(storage, args.out)
+            print(f"wrote {args.out} ({width}x{height})")
+    except StorageError as exc:
+        return _error(f"storage error: {exc}", 1)
+    except (inspect.InspectError, ValueError, OSError) as exc:  # OSError: e.g. --out in a missing folder
+        return _error(f"error: {exc}", 2)
+    return 0
+
+
+def _error(text: str, code: int) -> int:
+    """One line on stderr, whatever the exception's message held."""
+    print(" ".join(text.split()), file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,424 @@
+"""Read runs back from storage: what ``python -m cluster list|show|plot`` prints. No Ray, no workers.
+
+Everything here reads the public contract of a run folder (``run.json``, ``events.jsonl``, ``metrics/``,
+``checkpoints/``) through :class:`~cluster.storage.Storage`, so it works on any fsspec URL, while the run
+is going or long after. A run is any folder directly under the storage URL that holds a ``run.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.checkpoint import CheckpointInfo, CheckpointStore
+from cluster.errors import CheckpointError, ClusterError, StorageError
+from cluster.metrics import read_metrics
+from cluster.storage import Storage, join, normalize_url
+
+FINISHED, FAILED, UNFINISHED = "finished", "failed", "running/interrupted"
+
+
+class InspectError(ClusterError):
+    """A URL holds no runs, or no run of the given name. The message lists what is there."""
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """One line of ``list``: the run's state as its events and checkpoints record it."""
+
+    name: str
+    url: str
+    status: str
+    epochs_done: int
+    epochs_total: int | None
+    global_step: int
+    latest_checkpoint: int | None
+    """Highest verified checkpoint step (or highest committed one when not verifying)."""
+    last_loss: float | None
+    attempts: int
+    """Worker groups started or tried, over every submission of the run."""
+    failures: int
+    submissions: int
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """A ``failure`` event, with the driver's decision and, when it recovered, the recovery's cost."""
+
+    attempt: int | None
+    kind: str
+    rank: int | None
+    step: int | None
+    message: str
+    decision: str | None
+    recovery_s: float | None
+    lost_steps: int | None
+
+
+@dataclass(frozen=True)
+class CheckpointRow:
+    step: int
+    epoch: int | None
+    """The manifest's epoch: the (0-based) epoch a resume from it starts in."""
+    step_in_epoch: int | None
+    bytes: int
+    files: int
+    verified: bool | None
+    """True/False once checked; None when not checked (only the latest is checked unless ``--verify``)."""
+    problem: str | None = None
+
+
+@dataclass
+class RunReport:
+    """Everything ``show`` prints."""
+
+    summary: RunSummary
+    config: dict[str, Any]
+    versions: dict[str, Any]
+    created: float | None
+    config_changes: list[tuple[str, Any, Any]]
+    failures: list[FailureRecord]
+    other_events: list[dict[str, Any]]
+    checkpoints: list[CheckpointRow]
+    epochs: list[dict[str, Any]] = field(default_factory=list)
+    latest_step: dict[str, Any] | None = None
+
+
+# ---------------------------------------------------------------------- finding runs
+def run_names(root: Storage) -> list[str]:
+    """Names of the runs directly under ``root``: folders that hold a ``run.json``."""
+    return [name for name in root.listdir() if root.exists(f"{name}/run.json")]
+
+
+def open_run(url: str, name: str | None = None, options: dict[str, Any] | None = None) -> Storage:
+    """The storage of one run, from ``URL NAME`` or ``URL/NAME``; InspectError naming the runs there if none."""
+    if name is not None:
+        root_url, run = normalize_url(url), name
+    else:
+        direct = Storage(url, options)
+        if direct.exists("run.json"):
+            return direct
+        names = run_names(direct)
+        if names:
+            raise InspectError(
+                f"{direct.root} is a storage URL with {len(names)} run(s) ({', '.join(names)}), not a run; "
+                f"name one: show {direct.root} NAME"
+            )
+        root_url, _, run = direct.root.rpartition("/")
+        if not root_url or root_url.endswith(":/") or not run:
+            raise InspectError(f"no run at {direct.root} (no run.json there)")
+    root = Storage(root_url, options)
+    storage = Storage(join(root.root, run), options)
+    if storage.exists("run.json"):
+        return storage
+    names = run_names(root)
+    if not names:
+        raise InspectError(f"no run named {run!r}: no runs at all under {root.root}")
+    raise InspectError(f"no run named {run!r} under {root.root}; runs there: {', '.join(names)}")
+
+
+# ---------------------------------------------------------------------- reading one run
+def read_events(storage: Storage) -> list[dict[str, Any]]:
+    """``events.jsonl`` as dicts; a torn last line (a writer died mid-write) is ignored."""
+    try:
+        text = storage.read_bytes("events.jsonl").decode()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
+def read_run_json(storage: Storage) -> dict[str, Any]:
+    try:
+        data = json.loads(storage.read_bytes("run.json"))
+    except (ValueError, UnicodeDecodeError):
+        raise InspectError(f"{storage.url('run.json')} is not valid JSON") from None
+    return data if isinstance(data, dict) else {}
+
+
+def run_status(events: list[dict[str, Any]]) -> str:
+    """finished / failed from the terminal event after the last ``run_start``; otherwise the run is still
+    going or its driver died (storage cannot tell those apart)."""
+    starts = [i for i, e in enumerate(events) if e.get("event") == "run_start"]
+    tail = events[starts[-1]:] if starts else events
+    for e in reversed(tail):
+        kind = e.get("event")
+        if kind in ("finished", "already_complete"):
+            return FINISHED
+        if kind in ("run_failed", "failed"):
+            return FAILED
+    return UNFINISHED
+
+
+def count_attempts(events: list[dict[str, Any]]) -> int:
+    """Worker groups started or tried: per submission (``run_start``), the highest ``attempt`` seen + 1."""
+    total, highest = 0, -1
+    for e in events:
+        if e.get("event") == "run_start":
+            total += highest + 1
+            highest = -1
+        if isinstance(e.get("attempt"), int):
+            highest = max(highest, e["attempt"])
+    return total + highest + 1
+
+
+def _checkpoint_problem(store: CheckpointStore, info: CheckpointInfo) -> str | None:
+    try:
+        store.read_verified(info)
+    except (CheckpointError, StorageError) as exc:
+        return str(exc)
+    return None
+
+
+def checkpoint_rows(storage: Storage, verify: str = "latest") -> list[CheckpointRow]:
+    """Committed checkpoints ascending, plus step folders without a manifest (torn writes).
+
+    ``verify``: ``"all"`` checks every checkpoint's checksums, ``"latest"`` checks from the newest down
+    until one verifies (the one a resume would load), ``"none"`` reads manifests only.
+    """
+    store = CheckpointStore(storage)
+    infos = store.list()
+    committed = {i.step for i in infos}
+    verdict: dict[int, str | None] = {}
+    for info in reversed(infos):
+        if verify == "none":
+            break
+        verdict[info.step] = _checkpoint_problem(store, info)
+        if verify == "latest" and verdict[info.step] is None:
+            break
+    rows = [
+        CheckpointRow(
+            step=i.step, epoch=i.manifest.get("epoch"), step_in_epoch=i.manifest.get("step_in_epoch"), bytes=i.total_bytes, files=len(i.manifest["files"]),
+            verified=(verdict[i.step] is None) if i.step in verdict else None, problem=verdict.get(i.step),
+        )
+        for i in infos
+    ]
+    for step in store.steps_on_storage():
+        if step not in committed:
+            rows.append(CheckpointRow(step, None, None, 0, 0, False, "no manifest: torn or in progress, never loaded"))
+    return sorted(rows, key=lambda r: r.step)
+
+
+def _latest(rows: list[CheckpointRow], verify: str) -> int | None:
+    ok = [r.step for r in rows if r.verified or (verify == "none" and r.problem is None)]
+    return max(ok) if ok else None
+
+
+def summarize(
+    name: str, storage: Storage, events: list[dict[str, Any]], rows: list[CheckpointRow], verify: str,
+    config: dict[str, Any],
+) -> RunSummary:
+    epochs_done, step, loss = 0, 0, None
+    for e in events:
+        kind = e.get("event")
+        if kind == "epoch_end":
+            epochs_done = max(epochs_done, int(e.get("epoch", -1)) + 1)
+        if kind in ("epoch_end", "finished", "already_complete") and isinstance(e.get("global_step"), int):
+            step = max(step, e["global_step"])
+        if kind == "checkpoint" and isinstance(e.get("step"), int):
+            step = max(step, e["step"])
+        if kind in ("epoch_end", "finished") and isinstance(e.get("loss"), (int, float)):
+            loss = float(e["loss"])
+    latest = _latest(rows, verify)
+    starts = [e for e in events if e.get("event") == "run_start" and isinstance(e.get("config"), dict)]
+    current = starts[-1]["config"] if starts else config
+    total = current.get("training", {}).get("epochs")
+    return RunSummary(
+        name=name, url=storage.root, status=run_status(events), epochs_done=epochs_done,
+        epochs_total=total if isinstance(total, int) else None, global_step=max(step, latest or 0),
+        latest_checkpoint=latest, last_loss=loss, attempts=count_attempts(events),
+        failures=sum(e.get("event") == "failure" for e in events),
+        submissions=sum(e.get("event") == "run_start" for e in events),
+    )
+
+
+def list_runs(url: str, options: dict[str, Any] | None = None, verify: bool = True) -> list[RunSummary]:
+    root = Storage(url, options)
+    names = run_names(root)
+    if not names:
+        raise InspectError(f"no runs under {root.root} (no folder there holds a run.json)")
+    mode = "latest" if verify else "none"
+    out = []
+    for name in names:
+        storage = Storage(join(root.root, name), options)
+        rows = checkpoint_rows(storage, mode)
+        out.append(summarize(name, storage, read_events(storage), rows, mode, read_run_json(storage).get("config", {})))
+    return out
+
+
+def failure_records(events: list[dict[str, Any]]) -> list[FailureRecord]:
+    """Each failure with the decision that followed it and the ``recovered`` event before the next one."""
+    out = []
+    indices = [i for i, e in enumerate(events) if e.get("event") == "failure"]
+    for n, i in enumerate(indices):
+        end = indices[n + 1] if n + 1 < len(indices) else len(events)
+        after = events[i + 1:end]
+        decision = next((e for e in after if e.get("event") == "decision"), None)
+        recovered = next((e for e in after if e.get("event") == "recovered"), None)
+        e = events[i]
+        out.append(FailureRecord(
+            attempt=e.get("attempt"), kind=str(e.get("kind", "?")), rank=e.get("rank"), step=e.get("step"),
+            message=str(e.get("message", "")).strip().splitlines()[0][:200] if e.get("message") else "",
+            decision=None if decision is None else ("restart" if decision.get("restart") else "gave up: "
+                                                    + str(decision.get("reason", ""))[:120]),
+            recovery_s=None if recovered is None else recovered.get("detect_to_first_step_s"),
+            lost_steps=None if recovered is None else recovered.get("lost_steps"),
+        ))
+    return out
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"training": {"epochs": 3}}`` -> ``{"training.epochs": 3}`` (the keys ``--set`` takes)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value and key not in ("task_args", "options", "env", "resources_per_worker"):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def report(storage: Storage, verify_all: bool = False) -> RunReport:
+    info = read_run_json(storage)
+    config = info.get("config", {}) if isinstance(info.get("config"), dict) else {}
+    events = read_events(storage)
+    mode = "all" if verify_all else "latest"
+    rows = checkpoint_rows(storage, mode)
+    name = str(info.get("name") or storage.root.rsplit("/", 1)[-1])
+    summary = summarize(name, storage, events, rows, mode, config)
+    starts = [e["config"] for e in events if e.get("event") == "run_start" and isinstance(e.get("config"), dict)]
+    changes: list[tuple[str, Any, Any]] = []
+    if starts:
+        first, last = flatten(config), flatten(starts[-1])
+        changes = [(k, first.get(k), last.get(k)) for k in sorted(set(first) | set(last)) if first.get(k) != last.get(k)]
+    notable = ("resize", "checkpoint_skipped", "checkpoint_failed", "run_failed", "failed")
+    table = read_metrics(storage)
+    metric_rows = table.to_pylist()
+    epochs = [r for r in metric_rows if r["kind"] == "epoch"]
+    steps = [r for r in metric_rows if r["kind"] == "step"]
+    return RunReport(
+        summary=summary, config=config, versions=info.get("versions", {}) or {}, created=info.get("created"),
+        config_changes=changes, failures=failure_records(events),
+        other_events=[e for e in events if e.get("event") in notable], checkpoints=rows,
+        epochs=epochs, latest_step=steps[-1] if steps else None,
+    )
+
+
+# ---------------------------------------------------------------------- formatting
+def _fmt(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}" if abs(value) < 1e5 else f"{value:,.0f}"
+    return str(value)
+
+
+def human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"  # pragma: no cover
+
+
+def table(header: list[str], rows: list[list[str]], indent: str = "") -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    lines = [header, *rows]
+    return "\n".join(indent + "  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def position(c: CheckpointRow) -> str:
+    """Where in training a checkpoint sits, 1-based like the progress line: ``epoch 2 done``, ``epoch 3 step 4``."""
+    if c.epoch is None:
+        return "-"
+    if not c.step_in_epoch and c.epoch > 0:
+        return f"epoch {c.epoch} done"
+    return f"epoch {c.epoch + 1} step {c.step_in_epoch or 0}"
+
+
+def format_list(summaries: list[RunSummary]) -> str:
+    header = ["NAME", "STATUS", "EPOCHS", "STEP", "CHECKPOINT", "LOSS", "ATTEMPTS", "FAILURES"]
+    rows = [
+        [s.name, s.status, f"{s.epochs_done}/{_fmt(s.epochs_total)}", str(s.global_step),
+         _fmt(s.latest_checkpoint), _fmt(s.last_loss), str(s.attempts), str(s.failures)]
+        for s in summaries
+    ]
+    return table(header, rows)
+
+
+def _when(t: Any) -> str:
+    if not isinstance(t, (int, float)):
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+
+def format_show(r: RunReport) -> str:
+    s = r.summary
+    out = [
+        f"run        {s.name}",
+        f"url        {s.url}",
+        f"status     {s.status}",
+        f"created    {_when(r.created)}",
+        f"versions   {', '.join(f'{k} {v}' for k, v in r.versions.items()) or '-'}",
+        f"progress   epoch {s.epochs_done}/{_fmt(s.epochs_total)}, global step {s.global_step}, "
+        f"last loss {_fmt(s.last_loss)}",
+        f"attempts   {s.attempts} over {s.submissions} submission(s), {s.failures} failure(s)",
+        f"checkpoint latest verified step {_fmt(s.latest_checkpoint)}",
+        "",
+        "config (run.json; credentials were redacted when it was written)",
+    ]
+    out += [f"  {k}: {json.dumps(v)}" for k, v in flatten(r.config).items()]
+    if r.config_changes:
+        out.append("  changed by later submissions:")
+        out += [f"    {k}: {json.dumps(old)} -> {json.dumps(new)}" for k, old, new in r.config_changes]
+    out += ["", f"failures ({len(r.failures)})"]
+    if r.failures:
+        out.append(table(
+            ["ATTEMPT", "KIND", "RANK", "STEP", "DECISION", "RECOVERY_S", "LOST_STEPS", "MESSAGE"],
+            [[_fmt(f.attempt), f.kind, _fmt(f.rank), _fmt(f.step), _fmt(f.decision), _fmt(f.recovery_s, 1),
+              _fmt(f.lost_steps), f.message[:80]] for f in r.failures],
+            indent="  ",
+        ))
+    for e in r.other_events:
+        detail = {k: v for k, v in e.items() if k not in ("time", "event")}
+        out.append(f"  {_when(e.get('time'))} {e.get('event')}: {json.dumps(detail, default=str)[:200]}")
+    committed = [c for c in r.checkpoints if c.files]
+    out += ["", f"checkpoints ({len(committed)} committed)"]
+    if r.checkpoints:
+        verified = {True: "yes", False: "NO", None: "unchecked"}
+        out.append(table(
+            ["STEP", "EPOCH", "SIZE", "FILES", "VERIFIED", "PROBLEM"],
+            [[str(c.step), position(c), human_bytes(c.bytes) if c.files else "-", str(c.files),
+              verified[c.verified], c.problem or ""] for c in r.checkpoints],
+            indent="  ",
+        ))
+    out += ["", "metrics"]
+    if r.latest_step is not None:
+        m = r.latest_step
+        out.append(f"  latest step: global_step {m['global_step']}, loss {_fmt(m['loss'])}, lr {_fmt(m['lr'], 6)}, "
+                   f"{_fmt(m['samples_per_s'], 1)} samples/s, {_fmt(m['step_time_s'])} s/step, "
+                   f"world size {m['world_size']}, attempt {m['attempt']}")
+    if r.epochs:
+        shown = r.epochs[-10:]
+        if len(r.epochs) > len(shown):
+            out.append(f"  ({len(r.epochs) - len(shown)} earlier epochs not shown)")
+        out.append(table(
+            ["EPOCH", "STEP", "LOSS", "SAMPLES/S", "S/STEP", "CKPT_STALL_S", "WORLD", "ATTEMPT"],
+            [[str(e["epoch"] + 1), str(e["global_step"]), _fmt(e["loss"]), _fmt(e["samples_per_s"], 1),
+              _fmt(e["step_time_s"]), _fmt(e["checkpoint_stall_s"]), str(e["world_size"]), str(e["attempt"])]
+             for e in shown],
+            indent="  ",
+        ))
+    if r.latest_step is None and not r.epochs:
+        out.append("  none yet")
+    return "\n".join(out)

@@ -1,0 +1,63 @@
+"""``python -m cluster plot``: a run's loss and throughput vs global step, as a PNG (matplotlib, Agg).
+
+matplotlib is optional (``pip install 'cluster[plot]'``); without it ``plot`` raises InspectError saying so.
+"""
+
+from __future__ import annotations
+
+from cluster.inspect import InspectError, read_events, read_run_json
+from cluster.metrics import read_metrics
+from cluster.storage import Storage
+
+FIGSIZE = (10.0, 4.0)
+DPI = 100
+
+
+def plot_png(storage: Storage, out_path: str) -> tuple[int, int]:
+    """Loss and throughput vs global step as a PNG of exactly FIGSIZE x DPI pixels; returns (width, height).
+
+    Failures from the events are marked as dashed lines at the step they were seen.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        raise InspectError("plot needs matplotlib: pip install 'cluster[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(storage).to_pylist()
+    steps = [r for r in rows if r["kind"] == "step"]
+    epochs = [r for r in rows if r["kind"] == "epoch"]
+    if not steps and not epochs:
+        raise InspectError(f"run {storage.root} has no metrics yet (metrics/ is empty)")
+    name = str(read_run_json(storage).get("name") or storage.root.rsplit("/", 1)[-1])
+    failures = [e.get("step") for e in read_events(storage) if e.get("event") == "failure"]
+
+    fig, (ax_loss, ax_tput) = plt.subplots(1, 2, figsize=FIGSIZE, dpi=DPI)
+    try:
+        for attempt in sorted({r["attempt"] for r in steps}):
+            part = [r for r in steps if r["attempt"] == attempt]
+            ax_loss.plot([r["global_step"] for r in part], [r["loss"] for r in part], lw=1,
+                         label=f"step loss (attempt {attempt})")
+            ax_tput.plot([r["global_step"] for r in part], [r["samples_per_s"] for r in part], lw=1,
+                         label=f"attempt {attempt}")
+        if epochs:
+            ax_loss.plot([r["global_step"] for r in epochs], [r["loss"] for r in epochs], "o", color="black",
+                         label="epoch mean loss")
+            ax_tput.plot([r["global_step"] for r in epochs], [r["samples_per_s"] for r in epochs], "o",
+                         color="black", label="epoch mean")
+        for step in failures:
+            if isinstance(step, int):
+                for ax in (ax_loss, ax_tput):
+                    ax.axvline(step, color="red", ls="--", lw=1)
+        ax_loss.set(title=f"{name}: loss", xlabel="global step", ylabel="loss")
+        ax_tput.set(title=f"{name}: throughput", xlabel="global step", ylabel="samples/s")
+        for ax in (ax_loss, ax_tput):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out_path, dpi=DPI, format="png")  # no bbox_inches="tight": it would change the size
+        width, height = fig.canvas.get_width_height()
+    finally:
+        plt.close(fig)
+    return width, height

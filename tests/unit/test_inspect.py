@@ -1,0 +1,59 @@
+"""The event arithmetic behind `python -m cluster list/show`, on hand-written event logs."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.inspect import FAILED, FINISHED, UNFINISHED, count_attempts, failure_records, flatten, run_status
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+
+
+def ev(event: str, **fields: object) -> dict[str, object]:
+    return {"time": 0.0, "event": event, **fields}
+
+
+CRASHED_THEN_FINISHED = [
+    ev("run_start", attempt=0),
+    ev("group_started", attempt=0),
+    ev("failure", kind="worker_died", rank=1, attempt=0, step=12, message="rank 1's process died\ndetails"),
+    ev("decision", restart=True, reason="restart 1/3", delay_s=1.0),
+    ev("group_started", attempt=1),
+    ev("recovered", kind="worker_died", lost_steps=2, detect_to_first_step_s=3.5),
+    ev("failure", kind="user_error", rank=0, attempt=1, step=20, message="RuntimeError: boom"),
+    ev("decision", restart=False, reason="the same RuntimeError happened twice at step 20"),
+    ev("run_failed", error="..."),
+    ev("run_start", attempt=0),  # resubmitted
+    ev("group_started", attempt=0),
+    ev("finished", global_step=40, attempts=1),
+]
+
+
+def test_status_comes_from_the_last_submission() -> None:
+    assert run_status(CRASHED_THEN_FINISHED) == FINISHED
+    assert run_status(CRASHED_THEN_FINISHED[:9]) == FAILED
+    assert run_status(CRASHED_THEN_FINISHED[:11]) == UNFINISHED  # resubmitted after failing, not done yet
+    assert run_status([]) == UNFINISHED
+    assert run_status([ev("run_start"), ev("already_complete", global_step=3)]) == FINISHED
+
+
+def test_attempts_add_up_over_submissions() -> None:
+    assert count_attempts(CRASHED_THEN_FINISHED) == 3  # attempts 0 and 1, then 0 again
+    assert count_attempts(CRASHED_THEN_FINISHED[:2]) == 1
+    assert count_attempts([]) == 0
+
+
+def test_failures_pair_with_their_decision_and_recovery() -> None:
+    first, second = failure_records(CRASHED_THEN_FINISHED)
+    assert (first.kind, first.rank, first.step, first.attempt) == ("worker_died", 1, 12, 0)
+    assert first.message == "rank 1's process died"
+    assert (first.decision, first.recovery_s, first.lost_steps) == ("restart", 3.5, 2)
+    assert second.decision is not None and second.decision.startswith("gave up: the same RuntimeError")
+    assert second.recovery_s is None and second.lost_steps is None
+
+
+def test_flatten_keeps_free_form_mappings_whole() -> None:
+    cfg = {"training": {"epochs": 3}, "task_args": {"d_model": 8}, "storage": {"url": "s3://b", "options": {"key": "***"}}}
+    assert flatten(cfg) == {
+        "training.epochs": 3, "task_args": {"d_model": 8}, "storage.url": "s3://b", "storage.options": {"key": "***"}
+    }
