@@ -252,6 +252,7 @@ class Driver:
             resume_step=r.global_step,
             resume_epoch=r.epoch,
             pids=[i.pid for i in infos],
+            nodes=[i.node_id for i in infos],
             hosts=sorted({i.hostname for i in infos}),
             seconds=round(t_ready - t0, 3),
         )

@@ -55,6 +55,8 @@ class SetupInfo:
     resume: ResumePoint
     skipped_checkpoints: list[tuple[int, str]]
     timings: dict[str, float]
+    node_id: str = ""
+    """The Ray node the rank runs on (filled in by the Ray worker group)."""
 
 
 @dataclass

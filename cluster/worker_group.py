@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import time
 from functools import cache
 from typing import Any
@@ -134,7 +135,10 @@ class RayWorkerGroup:
         self.nodes = self._get([a.node.remote() for a in self.actors], timeout)
         _check_same_code(self._get([a.code.remote() for a in self.actors], timeout), self.nodes)
         host, port = self._get([self.actors[0].bind_store.remote()], timeout)[0]
-        return self._get([a.setup.remote(host, port) for a in self.actors], timeout)
+        infos: list[SetupInfo] = self._get([a.setup.remote(host, port) for a in self.actors], timeout)
+        for info, (node_id, _) in zip(infos, self.nodes):
+            info.node_id = node_id
+        return infos
 
     def _get(self, refs: list[Any], timeout: float) -> list[Any]:
         """ray.get that fails fast: the first error from any rank ends the wait."""
@@ -174,37 +178,57 @@ class RayWorkerGroup:
         return list(self._get([self.actors[0].finish.remote()], self.cfg.failures.process_group_timeout_s)[0])
 
     def classify(self, exc: BaseException) -> Failure:
-        """Turn the first error seen into a Failure, looking at every rank for the root cause."""
-        time.sleep(0.2)
-        dead_nodes = {n["NodeID"] for n in ray.nodes() if not n.get("Alive", False)}
-        root: Failure | None = None
-        for rank, ref in enumerate(self._pending):
-            try:
-                ray.get(ref, timeout=0.5)
-            except GetTimeoutError:
-                continue
-            except RayActorError as err:
-                node_id = self.nodes[rank][0] if rank < len(self.nodes) else None
-                if node_id in dead_nodes:
-                    return Failure("node_lost", rank, f"node {node_id} of rank {rank} was lost: {err}")
-                root = root or Failure("worker_died", rank, f"rank {rank}'s process died: {_short(err)}")
-            except RayTaskError as err:
-                cause = err.cause if isinstance(err.cause, WorkerError) else None
-                if root is None or (root.kind == "user_error" and _collateral(root.message)):
-                    msg = str(cause) if cause else _short(err)
-                    root = Failure("user_error", rank, msg, cause)
-        if root is not None:
-            if root.kind == "user_error" and _collateral(root.message):
-                # A peer's collective broke: the process that caused it may still be dying.
-                for rank, ref in enumerate(self._pending):
-                    try:
-                        ray.get(ref, timeout=2.0)
-                    except RayActorError:
-                        return Failure("worker_died", rank, f"rank {rank}'s process died")
-                    except Exception:
-                        continue
-            return root
+        """Turn the first error seen into a Failure, looking at every rank for the root cause.
+
+        A dead process beats a user exception, which beats the collateral errors (connection reset by
+        peer) that a death causes on the survivors; a death whose node is gone is a lost node.
+        """
+        errors = self._errors(0.5)
+        only_collateral = errors and all(
+            not isinstance(e, RayActorError) and _collateral(_describe(e)) for e in errors.values()
+        )
+        if only_collateral:
+            errors.update(self._errors(2.0))  # the peer that broke the collective may still be dying
+        deaths = {r: e for r, e in errors.items() if isinstance(e, RayActorError)}
+        if deaths:
+            rank, death = min(deaths.items())
+            node_id = self.nodes[rank][0] if rank < len(self.nodes) else ""
+            if self._node_dead(node_id, death):
+                return Failure("node_lost", rank, f"node {node_id} (rank {rank}) was lost: {_short(death)}")
+            return Failure("worker_died", rank, f"rank {rank}'s process died: {_short(death)}")
+        user = {r: e for r, e in errors.items() if isinstance(e, RayTaskError)}
+        if user:
+            rank, err = min(user.items(), key=lambda kv: (_collateral(_describe(kv[1])), kv[0]))
+            cause = err.cause if isinstance(err.cause, WorkerError) else None
+            return Failure("user_error", rank, str(cause) if cause else _short(err), cause)
         return Failure("worker_died", None, _short(exc))
+
+    def _errors(self, timeout: float) -> dict[int, BaseException]:
+        refs = self._pending
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        out: dict[int, BaseException] = {}
+        for rank, ref in enumerate(refs):
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                except Exception as err:
+                    out[rank] = err
+        return out
+
+    @staticmethod
+    def _node_dead(node_id: str, err: BaseException) -> bool:
+        text = str(err).lower()
+        if "node" in text and ("died" in text or "dead" in text or "removed" in text):
+            return True
+        for node in ray.nodes():
+            if node["NodeID"] != node_id:
+                continue
+            if not node.get("Alive", False):
+                return True
+            # Ray marks a node dead only after its health checks fail (seconds); its raylet refusing or
+            # not answering a connection tells at once that the whole node is gone, not one process.
+            return not _port_open(node["NodeManagerAddress"], int(node["NodeManagerPort"]))
+        return False
 
     def shutdown(self, graceful: bool) -> None:
         """Graceful: destroy process groups and stop actors. Otherwise kill at once (a survivor may be
@@ -269,6 +293,20 @@ def _collateral(message: str) -> bool:
 def _fmt(res: dict[str, float]) -> str:
     keep = {k: v for k, v in res.items() if not k.startswith(("node:", "memory", "object_store"))}
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(keep.items())) + "}"
+
+
+def _port_open(host: str, port: int, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, RayTaskError) and isinstance(err.cause, WorkerError):
+        return err.cause.message
+    return str(err)
 
 
 def _short(err: BaseException) -> str:

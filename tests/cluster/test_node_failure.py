@@ -1,0 +1,161 @@
+"""Several Ray nodes on one machine (ray.cluster_utils.Cluster, fast health checks): lose a node mid-run.
+
+With spare capacity the job recovers at full size; without it, it continues at min_workers and grows back
+when a node is added. An id audit shows every sample of each epoch trained exactly once."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from cluster import load_config, train
+from tests.audit_task import audit
+from tests.conftest import REPO
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+B, SAMPLES, EPOCHS = 32, 512, 3
+STEPS = SAMPLES // B
+
+
+@pytest.fixture
+def ray_cluster() -> Iterator[Any]:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    temp = tempfile.mkdtemp(prefix="rc", dir="/tmp")
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 0,
+            "include_dashboard": False,
+            "temp_dir": temp,
+            "_system_config": {
+                "health_check_period_ms": 1000,
+                "health_check_timeout_ms": 1000,
+                "health_check_failure_threshold": 3,
+            },
+        },
+    )
+    try:
+        ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": REPO}}, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def add_trainer_node(cluster: Any) -> Any:
+    return cluster.add_node(num_cpus=2, resources={"trainer": 1})
+
+
+def job(tmp: str, name: str, *extra: str) -> list[str]:
+    return [
+        f"storage={tmp}/runs", f"name={name}", "task=tests.audit_task:AuditTask",
+        f"task_args={{audit_dir: {tmp}/audit, samples: {SAMPLES}, step_sleep_s: 0.06}}",
+        "scaling.num_workers=2", "scaling.resources_per_worker={trainer: 1}", "scaling.resource_wait_s=4",
+        f"training.global_batch_size={B}", f"training.epochs={EPOCHS}", "checkpoint.every_steps=4",
+        "failures.backoff_s=0.1", "failures.hang_timeout_floor_s=60", *extra,
+    ]
+
+
+def events(run_url: str, kind: str) -> list[dict]:
+    return [e for e in map(json.loads, open(f"{run_url}/events.jsonl")) if e["event"] == kind]
+
+
+def when(cond: Callable[[], bool], action: Callable[[], None]) -> threading.Thread:
+    def go() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if cond():
+                    action()
+                    return
+            except (FileNotFoundError, json.JSONDecodeError):
+                pass
+            time.sleep(0.05)
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t
+
+
+def remove_node_of_rank(cluster: Any, run_url: str, rank: int) -> None:
+    node_id = events(run_url, "group_started")[-1]["nodes"][rank]
+    (node,) = [n for n in cluster.worker_nodes if n.node_id == node_id]
+    cluster.remove_node(node, allow_graceful=False)
+
+
+def test_lost_node_with_spare_capacity_recovers_at_full_size(ray_cluster: Any, tmp_path: object) -> None:
+    for _ in range(3):
+        add_trainer_node(ray_cluster)
+    tmp = str(tmp_path)
+    os.makedirs(f"{tmp}/audit")
+    run_url = f"{tmp}/runs/spare"
+    ckpt = f"{run_url}/checkpoints/step_{STEPS + 4:09d}/manifest.json"  # mid epoch 2
+    killer = when(lambda: os.path.exists(ckpt), lambda: remove_node_of_rank(ray_cluster, run_url, 1))
+    result = train(load_config("jobs/configs/tiny_cpu.yaml", job(tmp, "spare")), out=io.StringIO())
+    killer.join(1)
+    assert result.status == "finished" and result.world_size == 2
+    failure = events(run_url, "failure")[0]
+    assert failure["kind"] == "node_lost", failure
+    assert events(run_url, "recovered")
+    assert not events(run_url, "resize")
+    sizes = audit(f"{tmp}/audit", STEPS, B, EPOCHS)
+    assert sizes == {2: EPOCHS * STEPS}
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if cond():
+                return
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        time.sleep(0.05)
+    raise TimeoutError("condition not reached")
+
+
+def test_without_spare_continues_at_min_workers_then_grows_back(ray_cluster: Any, tmp_path: object) -> None:
+    for _ in range(2):
+        add_trainer_node(ray_cluster)
+    tmp = str(tmp_path)
+    os.makedirs(f"{tmp}/audit")
+    run_url = f"{tmp}/runs/elastic"
+    cfg = load_config("jobs/configs/tiny_cpu.yaml", job(tmp, "elastic", "scaling.min_workers=1"))
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = train(cfg, out=io.StringIO())
+        except BaseException as exc:
+            box["error"] = exc
+
+    # Ray's Cluster helper must add and remove nodes from the main thread: the job runs in a thread.
+    trainer = threading.Thread(target=run, daemon=True)
+    trainer.start()
+    wait_for(lambda: os.path.exists(f"{run_url}/checkpoints/step_{4:09d}/manifest.json"))
+    remove_node_of_rank(ray_cluster, run_url, 1)
+    wait_for(lambda: any(e["new"] == 1 for e in events(run_url, "resize")))
+    time.sleep(1.0)  # let it train shrunk for a while
+    add_trainer_node(ray_cluster)
+    trainer.join(240)
+    assert "error" not in box, box.get("error")
+    result = box["result"]
+    assert result.status == "finished"
+    assert result.world_size == 2
+    resizes = events(run_url, "resize")
+    assert [(e["old"], e["new"]) for e in resizes] == [(2, 1), (1, 2)], resizes
+    assert all(e["reason"] for e in resizes)
+    sizes = audit(f"{tmp}/audit", STEPS, B, EPOCHS)
+    assert sizes.get(1, 0) > 0 and sizes.get(2, 0) > 0  # trained at both sizes ...
+    assert sum(sizes.values()) == EPOCHS * STEPS  # ... every step exactly once (audit checked ids)
