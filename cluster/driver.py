@@ -578,6 +578,7 @@ def ensure_ray(cfg: JobConfig) -> bool:
     cpus = max(os.cpu_count() or 1, int(s.num_workers * s.cpus_per_worker + 0.999))
     path = os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p)
     ray.init(
+        address="local",  # never attach to another `ray start` on this machine (/tmp/ray/ray_current_cluster)
         num_cpus=cpus,
         include_dashboard=False,
         log_to_driver=True,

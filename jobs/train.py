@@ -15,7 +15,8 @@ On a Ray cluster (the job's driver runs on the head; --working-dir ships this fo
     RAY_AUTH_MODE=token ray job submit --address http://HEAD:8265 --working-dir . -- \\
         python -m jobs.train --config jobs/configs/gpt_gpu.yaml --set storage=s3://bucket/runs
 
-Exit status: 0 when training finished (or was already finished), 1 on a failed run, 2 on a bad config.
+Exit status: 0 when training finished (or was already finished), 1 on a failed run, 2 on a bad config,
+130 when stopped (`ray job stop` or Ctrl-C: the workers are killed, committed checkpoints stay).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import signal
 import sys
 
 from cluster import ClusterError, ConfigError, load_config, train
-from cluster.driver import result_to_json
+from cluster.driver import ensure_ray, result_to_json
+from cluster.task import load_task_class
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,8 +51,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
 
-    # `ray job stop` sends SIGTERM: turn it into an exception so the driver's finally-blocks stop the
-    # workers and destroy their process groups; committed checkpoints are never touched.
+    try:
+        load_task_class(cfg.task)  # an unknown task is a config error, found before Ray starts
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    started = ensure_ray(cfg)
+
+    # `ray job stop` sends SIGTERM: turn it into an exception so the driver's finally-blocks kill the
+    # workers; committed checkpoints are never touched. Installed after ray.init, which sets SIGTERM
+    # handlers of its own (Python and C++) that end the process without that cleanup.
     def _terminate(signum: int, frame: object) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
@@ -64,8 +74,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"training failed: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("stopped: workers shut down; the last committed checkpoint is intact", file=sys.stderr)
+        print("stopped: workers shut down; the last committed checkpoint is intact", file=sys.stderr, flush=True)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if started:
+            import ray
+
+            ray.shutdown()
     if args.result_json:
         with open(args.result_json, "w") as fh:
             fh.write(result_to_json(result))
