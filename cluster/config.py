@@ -114,6 +114,9 @@ class FailureConfig:
     """Wait before the first restart; doubles per consecutive failure up to ``backoff_max_s``."""
     backoff_max_s: float = 30.0
     """Upper bound on the restart wait."""
+    warm_restart: bool = True
+    """After a worker dies or raises, reuse the healthy workers' processes (task and dataset already
+    loaded) and replace only the lost ones. Lost nodes and hangs always get fresh workers."""
     process_group_timeout_s: float = 300.0
     """Timeout of collectives in the process group (init_process_group ``timeout``)."""
     inject: list[FaultSpec] = field(default_factory=list)

@@ -22,7 +22,7 @@ import torch
 
 from cluster.checkpoint import CheckpointStore
 from cluster.config import FailureConfig, JobConfig
-from cluster.errors import ConfigError, Failure, ResourcesUnavailableError, TrainingFailedError
+from cluster.errors import ConfigError, Failure, ResourcesUnavailableError, StorageError, TrainingFailedError
 from cluster.metrics import EventLog, Progress, write_metrics
 from cluster.storage import PROBE_ENV, Storage, join, normalize_url, write_probe
 from cluster.worker import EpochResult, SetupInfo
@@ -55,6 +55,8 @@ class WorkerGroup(Protocol):
     def finish(self) -> list[Any]: ...
     def classify(self, exc: BaseException) -> Failure: ...
     def available_for(self, n: int) -> bool: ...
+    def salvage(self, failure: Failure, attempt: int) -> Any: ...
+    def adopt(self, token: Any) -> None: ...
     def shutdown(self, graceful: bool) -> None: ...
 
 
@@ -148,6 +150,8 @@ class Driver:
         self.error: BaseException | None = None
         self._recovery: dict[str, Any] | None = None
         self._progress: Progress | None = None
+        self._probe_token: str | None = None
+        self._salvage: Any = None
 
     # ------------------------------------------------------------------ public
     def run(self) -> Result:
@@ -202,9 +206,15 @@ class Driver:
         target, minimum = cfg.scaling.num_workers, cfg.effective_min_workers
         t0 = time.time()
         # Every worker checks it sees this token (Worker.setup): storage visible only here fails at once.
-        probe_env = {**cfg.scaling.env, PROBE_ENV: write_probe(self.storage)}
+        # One token per driver: workers kept across a warm restart already carry it.
+        if self._probe_token is None:
+            self._probe_token = write_probe(self.storage)
+        probe_env = {**cfg.scaling.env, PROBE_ENV: self._probe_token}
         group_cfg = dataclasses.replace(cfg, scaling=dataclasses.replace(cfg.scaling, env=probe_env))
         self.group = self.group_factory(group_cfg, self.run_url, self.attempt)
+        if self._salvage is not None:
+            self.group.adopt(self._salvage)
+            self._salvage = None
         sizes = list(range(target, minimum - 1, -1))
         try:
             n = self.group.reserve(sizes, cfg.scaling.resource_wait_s)
@@ -224,8 +234,10 @@ class Driver:
             self._print(f"continuing with {n}/{target} workers (scaling.min_workers={minimum})")
         try:
             infos = self.group.start(n)
-        except ConfigError:
-            raise  # e.g. workers import other code than the driver: retrying cannot help
+        except (ConfigError, StorageError):
+            # e.g. workers import other code than the driver, or cannot see its storage (after the retry
+            # budget): retrying cannot help
+            raise
         except Exception as exc:
             self._on_failure(
                 self.group.classify(exc)
@@ -290,7 +302,9 @@ class Driver:
             try:
                 results = group.poll(self.poll_s)
             except Exception as exc:
-                self._on_failure(group.classify(exc), watch.max_step)
+                failure = group.classify(exc)
+                watch.update(group.progress(timeout=0.5))  # survivors know how far training got
+                self._on_failure(failure, watch.max_step)
                 return
             if results is not None:
                 break
@@ -413,12 +427,18 @@ class Driver:
 
     def _recover(self) -> None:
         assert self._recovery is not None
-        if self.group is not None:
-            self.group.shutdown(graceful=False)  # survivors may sit in a collective: kill, do not wait
-            self.group = None
-        self._recovery["t_teardown"] = time.time()
         failure = self.failures[-1]
         decision = self.policy.decide(failure, self.failures)
+        if self.group is not None:
+            # Workers still in a collective are killed at once (never wait for the process-group
+            # timeout); idle healthy ones may be kept for a warm restart.
+            token = self.group.salvage(failure, self.attempt + 1) if decision.restart else None
+            if token is None:
+                self.group.shutdown(graceful=False)
+            self._salvage = token
+            self._recovery["reused"] = len(token["actors"]) if isinstance(token, dict) else 0
+            self.group = None
+        self._recovery["t_teardown"] = time.time()
         self.events.append(
             "decision", restart=decision.restart, reason=decision.reason, delay_s=decision.delay_s
         )
@@ -452,7 +472,11 @@ class Driver:
         }
         lost = max(0, rec["seen_step"] - rec.get("resume_step", 0))
         self.events.append(
-            "recovered", kind=rec["kind"], lost_steps=lost, **{k: round(v, 3) for k, v in phases.items()}
+            "recovered",
+            kind=rec["kind"],
+            lost_steps=lost,
+            reused_workers=rec.get("reused", 0),
+            **{k: round(v, 3) for k, v in phases.items()},
         )
         self._print(
             f"recovered from {rec['kind']}: first step {phases['detect_to_first_step_s']:.1f}s after "

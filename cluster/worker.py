@@ -102,6 +102,7 @@ class Worker:
         self._in_epoch = False
         self._store: dist.TCPStore | None = None
         self._writer: CheckpointWriter | None = None
+        self._task: Task | None = None
         self.faults = self._faults()
         threads = max(1, int(cfg.scaling.cpus_per_worker))
         torch.set_num_threads(threads)
@@ -133,10 +134,12 @@ class Worker:
         )
         t["process_group"] = time.time()
 
-        self.task: Task = build_task(cfg.task, cfg.task_args)
+        if self._task is None:  # a warm restart keeps the task and its dataset
+            self._task = build_task(cfg.task, cfg.task_args)
+            self.dataset = self._task.build_train_dataset()
+        self.task: Task = self._task
         torch.manual_seed(cfg.training.seed)  # identical init on every rank (DDP also broadcasts rank 0's)
         model = self.task.build_model().to(self.device)
-        self.dataset = self.task.build_train_dataset()
         t["task"] = time.time()
 
         self.sampler = ResumableDistributedSampler(
@@ -388,6 +391,21 @@ class Worker:
             self._writer.close(flush=False)
         cdist.destroy_process_group()
 
+    def reset(self, rank: int, world_size: int, attempt: int) -> None:
+        """Warm restart: drop the process group and all training state, keep the task and its dataset.
+
+        Only valid once ``run_epoch`` has returned (a worker blocked in a collective must be killed)."""
+        self.shutdown()
+        self._writer = None
+        self._store = None
+        self.rank, self.world_size, self.attempt = rank, world_size, attempt
+        self.global_step = self.epoch = self.step_in_epoch = 0
+        self._max_step_time = 0.0
+        self._last_step_at = time.time()
+        self.faults = self._faults()
+        for attr in ("model", "raw_model", "optimizer", "scheduler", "sampler"):
+            self.__dict__.pop(attr, None)
+
 
 class _CrashingStore(CheckpointStore):
     """Fault injection: die after writing a checkpoint's files, before its manifest (a torn write)."""
@@ -408,6 +426,7 @@ class _CrashingStore(CheckpointStore):
 def worker_env(cfg: JobConfig) -> Iterator[None]:
     """Environment a worker process needs before torch starts threads or sockets."""
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, int(cfg.scaling.cpus_per_worker))))
+    os.environ.update(cfg.scaling.env)
     if cfg.scaling.socket_ifname:
         os.environ["GLOO_SOCKET_IFNAME"] = cfg.scaling.socket_ifname
         os.environ["NCCL_SOCKET_IFNAME"] = cfg.scaling.socket_ifname

@@ -53,6 +53,9 @@ class _WorkerActor:
     def shutdown(self) -> None:
         self.worker.shutdown()
 
+    def reset(self, rank: int, world_size: int, attempt: int) -> None:
+        self.worker.reset(rank, world_size, attempt)
+
 
 class RayWorkerGroup:
     """One gang of DDP workers on Ray. ``start`` either returns with every rank set up or raises."""
@@ -66,6 +69,8 @@ class RayWorkerGroup:
         self.nodes: list[tuple[str, str]] = []
         self.world_size = 0
         self._pending: list[Any] = []
+        self._adopted: dict[int, Any] = {}
+        self.reused = 0
 
     # --------------------------------------------------------------- resources
     def bundle(self) -> dict[str, float]:
@@ -88,6 +93,8 @@ class RayWorkerGroup:
         """Reserve bundles for ``sizes[0]`` workers, waiting up to ``wait_s``; failing that, the largest
         of the smaller ``sizes`` the cluster grants now. Raise ResourcesUnavailableError otherwise."""
         strategy = self.cfg.scaling.placement_strategy
+        if self.pg is not None and sizes[0] == len(self.pg.bundle_specs):
+            return sizes[0]  # adopted from the previous attempt (warm restart): already reserved
         for i, n in enumerate(sizes):
             pg = placement_group([self.bundle()] * n, strategy=strategy)
             try:
@@ -111,11 +118,12 @@ class RayWorkerGroup:
         assert self.pg is not None, "reserve() first"
         self.world_size = world_size
         s = self.cfg.scaling
-        env = {"OMP_NUM_THREADS": str(max(1, int(s.cpus_per_worker))), **s.env}
-        if s.socket_ifname:
-            env.update(GLOO_SOCKET_IFNAME=s.socket_ifname, NCCL_SOCKET_IFNAME=s.socket_ifname)
         cls = ray.remote(_WorkerActor)
+        self.reused = len(self._adopted)
         for rank in range(world_size):
+            if rank in self._adopted:
+                self.actors.append(self._adopted.pop(rank))
+                continue
             opts: dict[str, Any] = {
                 "num_cpus": s.cpus_per_worker,
                 "num_gpus": 1 if s.use_gpu else 0,
@@ -126,7 +134,6 @@ class RayWorkerGroup:
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=rank
                 ),
-                "runtime_env": {"env_vars": env},
             }
             self.actors.append(
                 cls.options(**opts).remote(self.cfg, rank, world_size, self.run_url, self.attempt)
@@ -193,7 +200,7 @@ class RayWorkerGroup:
         if deaths:
             rank, death = min(deaths.items())
             node_id = self.nodes[rank][0] if rank < len(self.nodes) else ""
-            if self._node_dead(node_id, death):
+            if self._node_dead(node_id):
                 return Failure("node_lost", rank, f"node {node_id} (rank {rank}) was lost: {_short(death)}")
             return Failure("worker_died", rank, f"rank {rank}'s process died: {_short(death)}")
         user = {r: e for r, e in errors.items() if isinstance(e, RayTaskError)}
@@ -216,10 +223,7 @@ class RayWorkerGroup:
         return out
 
     @staticmethod
-    def _node_dead(node_id: str, err: BaseException) -> bool:
-        text = str(err).lower()
-        if "node" in text and ("died" in text or "dead" in text or "removed" in text):
-            return True
+    def _node_dead(node_id: str) -> bool:
         for node in ray.nodes():
             if node["NodeID"] != node_id:
                 continue
@@ -229,6 +233,46 @@ class RayWorkerGroup:
             # not answering a connection tells at once that the whole node is gone, not one process.
             return not _port_open(node["NodeManagerAddress"], int(node["NodeManagerPort"]))
         return False
+
+    def salvage(self, failure: Failure, attempt: int) -> dict[str, Any] | None:
+        """For a warm restart: reset the workers whose epoch call has returned (they are idle and
+        healthy) and hand them over with the placement group; kill the rest. None when nothing is kept."""
+        if not self.cfg.failures.warm_restart or failure.kind not in ("worker_died", "user_error"):
+            return None
+        if self.pg is None or not self._pending:
+            return None
+        done, _ = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
+        errors = self._errors(0.0)
+        idle = [r for r, ref in enumerate(self._pending) if ref in done and not isinstance(errors.get(r), RayActorError)]
+        resets = {r: self.actors[r].reset.remote(r, self.world_size, attempt) for r in idle}
+        kept: dict[int, Any] = {}
+        if resets:
+            ready, _ = ray.wait(list(resets.values()), num_returns=len(resets), timeout=3.0)
+            for r, ref in resets.items():
+                try:
+                    if ref in ready:
+                        ray.get(ref)
+                        kept[r] = self.actors[r]
+                except Exception:
+                    pass
+        for r, actor in enumerate(self.actors):
+            if r not in kept:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:
+                    pass
+        if not kept:
+            remove_placement_group(self.pg)
+            self.pg = None
+            self.actors = []
+            return None
+        token = {"pg": self.pg, "actors": kept}
+        self.pg, self.actors = None, []
+        return token
+
+    def adopt(self, token: dict[str, Any]) -> None:
+        self.pg = token["pg"]
+        self._adopted = dict(token["actors"])
 
     def shutdown(self, graceful: bool) -> None:
         """Graceful: destroy process groups and stop actors. Otherwise kill at once (a survivor may be

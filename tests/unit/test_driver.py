@@ -77,6 +77,12 @@ class ScriptedGroup:
     def available_for(self, n: int) -> bool:
         return self.world_size + n <= self.capacity[0]
 
+    def salvage(self, failure: Failure, attempt: int) -> Any:
+        return None
+
+    def adopt(self, token: Any) -> None:
+        raise AssertionError("nothing was salvaged")
+
     def shutdown(self, graceful: bool) -> None:
         self.shut = graceful
 
