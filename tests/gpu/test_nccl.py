@@ -1,0 +1,44 @@
+"""The NCCL path on one GPU (world size 1), with and without Ray. Skipped where there is no CUDA device."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)"),
+]
+
+
+def test_nccl_worker_without_ray(tmp_path: object) -> None:
+    from tests.multiprocess.mp_helpers import run_workers, tiny_config
+
+    cfg = tiny_config(f"{tmp_path}/s", ["scaling.use_gpu=true", "workers=1", "training.max_steps_per_epoch=5",
+                                        "training.amp=bf16", "training.grad_clip=1.0"])
+    out = tmp_path / "o"  # type: ignore[operator]
+    out.mkdir()
+    (res,) = run_workers(1, cfg, f"{tmp_path}/s/run", [(0, 0)], str(out))
+    assert res["resume"].global_step == 0
+    assert res["epochs"][0][1] == 5
+    assert all(torch.isfinite(v).all() for v in res["params"].values())
+
+
+def test_nccl_job_on_ray(tmp_path: object, tiny_overrides: list[str]) -> None:
+    from cluster import load_config, train
+
+    cfg = load_config(
+        "jobs/configs/tiny_cpu.yaml",
+        [*tiny_overrides, "name=gpu", "scaling.use_gpu=true", "workers=1", "training.amp=bf16", "training.epochs=2"],
+    )
+    out = io.StringIO()
+    result = train(cfg, out=out)
+    assert result.status == "finished"
+    assert "(nccl)" in out.getvalue()
+    import json
+
+    started = [json.loads(line) for line in open(f"{result.run_url}/events.jsonl") if '"group_started"' in line]
+    assert started[0]["backend"] == "nccl"
