@@ -201,10 +201,31 @@ class Driver:
             self.storage.write_atomic("run.json", json.dumps(info, indent=1, default=str).encode())
 
     # ------------------------------------------------------------------ states
+    def _already_complete(self) -> bool:
+        """True when the newest checkpoint verifies and covers every epoch: no workers are needed."""
+        store = CheckpointStore(self.storage)
+        infos = store.list()
+        if not infos or infos[-1].epoch < self.cfg.training.epochs:
+            return False
+        try:
+            store.read_verified(infos[-1])
+        except Exception:
+            return False  # let the workers' resume path skip it and report why
+        self.global_step, self.epoch = infos[-1].step, infos[-1].epoch
+        return True
+
     def _start(self) -> None:
         cfg = self.cfg
         target, minimum = cfg.scaling.num_workers, cfg.effective_min_workers
         t0 = time.time()
+        if self.attempt == 0 and self._already_complete():
+            self._print(
+                f"[{cfg.name}] all {cfg.training.epochs} epochs are already done (checkpoint at step "
+                f"{self.global_step}); nothing to train"
+            )
+            self.events.append("already_complete", global_step=self.global_step)
+            self.state = State.FINISHED
+            return
         # Every worker checks it sees this token (Worker.setup): storage visible only here fails at once.
         # One token per driver: workers kept across a warm restart already carry it.
         if self._probe_token is None:
