@@ -83,10 +83,17 @@ class CheckpointStore:
 
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
+        self.last_skipped: list[tuple[int, str]] = []
+        """(step, reason) of every checkpoint the last ``load_latest`` passed over, newest first."""
 
     def commit(self, step: int, files: dict[str, bytes], meta: dict[str, Any]) -> CheckpointInfo:
-        """Write every file, then the manifest last. Until the manifest lands the checkpoint does not exist."""
+        """Write every file, then the manifest last. Until the manifest lands the checkpoint does not exist.
+
+        A manifest already at this step (a checkpoint re-written after a resume from an older one) is
+        deleted first, so no reader ever pairs the old manifest with half-written new files.
+        """
         d = step_dir(step)
+        self.storage.rm(f"{d}/{MANIFEST}")
         entries = {}
         for name, data in files.items():
             self.storage.write_bytes(f"{d}/{name}", data)
@@ -110,16 +117,25 @@ class CheckpointStore:
         return out
 
     def _info(self, step: int) -> CheckpointInfo | None:
+        info, _ = self._read_manifest(step)
+        return info
+
+    def _read_manifest(self, step: int) -> tuple[CheckpointInfo | None, str]:
+        """The checkpoint at ``step``, or None and why it does not count as committed."""
         d = step_dir(step)
+        url = self.storage.url(d)
         try:
             manifest = json.loads(self.storage.read_bytes(f"{d}/{MANIFEST}"))
         except FileNotFoundError:
-            return None
+            return None, f"{url} has no {MANIFEST}: its write never committed (torn or in flight)"
         except (ValueError, UnicodeDecodeError):
-            return None
-        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-            return None
-        return CheckpointInfo(step=step, url=self.storage.url(d), manifest=manifest)
+            return None, f"{url}/{MANIFEST} is not valid JSON (corrupted)"
+        files = manifest.get("files") if isinstance(manifest, dict) else None
+        if not isinstance(files, dict) or not all(
+            isinstance(e, dict) and "sha256" in e and "size" in e for e in files.values()
+        ):
+            return None, f"{url}/{MANIFEST} lacks a valid 'files' table (corrupted)"
+        return CheckpointInfo(step=step, url=url, manifest=manifest), ""
 
     def read_verified(self, info: CheckpointInfo) -> dict[str, bytes]:
         """Read every file of a checkpoint and check size and sha256; raise CheckpointError on mismatch."""
@@ -135,10 +151,19 @@ class CheckpointStore:
         return out
 
     def load_latest(self, max_step: int | None = None) -> LoadedCheckpoint | None:
-        """Load the highest verified checkpoint (at most ``max_step``), skipping and reporting bad ones."""
+        """Load the highest verified checkpoint (at most ``max_step``), skipping and reporting bad ones.
+
+        Every newer step folder passed over is reported with its reason, in ``skipped`` of the result and
+        in ``self.last_skipped`` (also when nothing loadable is left and None is returned).
+        """
         skipped: list[tuple[int, str]] = []
-        for info in reversed(self.list()):
-            if max_step is not None and info.step > max_step:
+        self.last_skipped = skipped
+        for step in reversed(self.steps_on_storage()):
+            if max_step is not None and step > max_step:
+                continue
+            info, why = self._read_manifest(step)
+            if info is None:
+                skipped.append((step, why))
                 continue
             try:
                 raw = self.read_verified(info)
@@ -180,17 +205,63 @@ class CheckpointStore:
         return deleted
 
 
-def snapshot(obj: Any) -> Any:
-    """A deep copy with every tensor copied to host memory: what the background writer may own."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: snapshot(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [snapshot(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(snapshot(v) for v in obj)
-    return obj
+def snapshot(obj: Any, pool: HostBuffers | None = None) -> Any:
+    """A deep copy with every tensor copied to host memory: what the background writer may own.
+
+    With a ``pool`` the copies land in host buffers kept from the previous snapshot (no allocation, no
+    page faults: the copy runs at memory bandwidth), pinned when the source is on a GPU.
+    """
+    pool = pool if pool is not None else HostBuffers(reuse=False)
+    out = pool.copy_tree(obj, ())
+    pool.sync()
+    return out
+
+
+class HostBuffers:
+    """Host tensors reused from one checkpoint to the next, keyed by their place in the state tree.
+
+    Safe because the writer has at most one checkpoint in flight and waits for it before the next
+    snapshot overwrites these buffers. Costs one host copy of the state, held for the run's lifetime.
+    """
+
+    def __init__(self, reuse: bool = True) -> None:
+        self.reuse = reuse
+        self._bufs: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._cuda = False
+
+    def copy_tree(self, obj: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self._copy(obj, path)
+        if isinstance(obj, dict):
+            return {k: self.copy_tree(v, (*path, k)) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [self.copy_tree(v, (*path, i)) for i, v in enumerate(obj)]
+        if isinstance(obj, tuple):
+            return tuple(self.copy_tree(v, (*path, i)) for i, v in enumerate(obj))
+        return obj
+
+    def _copy(self, t: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
+        t = t.detach()
+        buf = self._bufs.get(path) if self.reuse else None
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or t.is_sparse or t.is_quantized:
+            if t.is_sparse or t.is_quantized or t.layout != torch.strided:
+                return t.to("cpu", copy=True)
+            pin = t.is_cuda
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            if self.reuse:
+                self._bufs[path] = buf
+        if t.is_cuda:
+            self._cuda = True
+            buf.copy_(t, non_blocking=True)
+        else:
+            buf.copy_(t)
+        return buf
+
+    def sync(self) -> None:
+        """Wait for the device-to-host copies issued with ``non_blocking``."""
+        if self._cuda:
+            torch.cuda.synchronize()
+            self._cuda = False
 
 
 @dataclass
@@ -227,12 +298,13 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._abandon = False
+        self._pool = HostBuffers()
 
     def save(self, step: int, epoch: int, meta: dict[str, Any], files: dict[str, Any]) -> float:
         """Checkpoint ``files`` (name -> object) at ``step``; return the seconds training was blocked."""
         t0 = time.perf_counter()
         self.wait()
-        host = snapshot(files)
+        host = snapshot(files, self._pool)
         stall = time.perf_counter() - t0
         if self.async_save:
             self._thread = threading.Thread(

@@ -6,10 +6,13 @@ retries with backoff and jitter for transient errors, and error messages with cr
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
+import socket
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -21,6 +24,24 @@ from cluster.errors import StorageError
 T = TypeVar("T")
 
 _SECRET_RE = re.compile(r"(?i)(secret|token|password|key|credential)[^=:\s]*\s*[=:]\s*\S+")
+
+RETRIES = 5
+"""Retries of a failed storage call, at least (the time budget below may allow more)."""
+RETRY_BUDGET_S = 60.0
+"""Keep retrying transient errors for at least this long: an object store's outage of tens of seconds
+(a restart, a throttling burst) stalls a checkpoint instead of failing it."""
+BACKOFF_S = 0.5
+"""First retry delay; doubles per retry up to BACKOFF_MAX_S, each delay jittered by x0.5..1.5."""
+BACKOFF_MAX_S = 8.0
+
+PROBE = ".storage-probe.json"
+PROBE_ENV = "CLUSTER_STORAGE_PROBE"
+"""Environment variable that carries the driver's probe token to every worker (see ``check_probe``)."""
+
+# Errors that retrying cannot fix. The first group is raised as it is (callers test for a missing file);
+# the second becomes a StorageError at once.
+_MISSING: tuple[type[BaseException], ...] = (FileNotFoundError, IsADirectoryError, NotADirectoryError)
+_DENIED_NAMES = ("NoCredentialsError", "PartialCredentialsError", "InvalidAccessKeyId", "SignatureDoesNotMatch")
 
 
 def normalize_url(url: str) -> str:
@@ -41,6 +62,21 @@ def join(base: str, *parts: str) -> str:
     return out
 
 
+def check_relative(rel: str) -> str:
+    """Return ``rel`` if it names a path inside a root; raise StorageError for anything that could escape
+    it (``..`` segments, absolute paths, URLs, backslashes, NUL)."""
+    bad = (
+        rel.startswith("/")
+        or "://" in rel
+        or "\\" in rel
+        or "\x00" in rel
+        or any(part == ".." for part in rel.split("/"))
+    )
+    if bad:
+        raise StorageError(f"refusing storage path {rel!r}: it would leave the run's folder")
+    return rel
+
+
 def redact(text: str, options: dict[str, Any] | None = None) -> str:
     """Remove secrets (storage option values, key=value credentials) from a message."""
     for value in (options or {}).values():
@@ -55,12 +91,18 @@ class Storage:
     """A root URL plus its filesystem. Paths given to methods are relative to the root."""
 
     def __init__(
-        self, root: str, options: dict[str, Any] | None = None, retries: int = 5, backoff_s: float = 0.5
+        self,
+        root: str,
+        options: dict[str, Any] | None = None,
+        retries: int | None = None,
+        backoff_s: float | None = None,
+        retry_budget_s: float | None = None,
     ) -> None:
         self.root = normalize_url(root)
         self.options = dict(options or {})
-        self.retries = retries
-        self.backoff_s = backoff_s
+        self.retries = RETRIES if retries is None else retries
+        self.backoff_s = BACKOFF_S if backoff_s is None else backoff_s
+        self.retry_budget_s = RETRY_BUDGET_S if retry_budget_s is None else retry_budget_s
         try:
             fs, path = url_to_fs(self.root, **self.options)
         except (ImportError, ValueError) as exc:
@@ -72,36 +114,48 @@ class Storage:
         self.path: str = path.rstrip("/") or "/"
 
     def url(self, rel: str = "") -> str:
-        return join(self.root, rel) if rel else self.root
+        return join(self.root, check_relative(rel)) if rel else self.root
 
     def _p(self, rel: str) -> str:
-        return join(self.path, rel) if rel else self.path
+        return join(self.path, check_relative(rel)) if rel else self.path
 
     def retry(self, what: str, fn: Callable[[], T]) -> T:
-        """Run ``fn``; retry transient errors with exponential backoff and jitter; FileNotFoundError is final."""
+        """Run ``fn``; retry transient errors with exponential backoff and jitter.
+
+        Gives up once both ``retries`` retries were made and ``retry_budget_s`` has passed, so an outage
+        shorter than the budget costs time, not the write. A missing file is raised as it is (final); refused
+        permissions and missing credentials fail at once. The StorageError never carries an option's value.
+        """
         delay = self.backoff_s
-        for attempt in range(self.retries + 1):
+        start = time.monotonic()
+        attempt = 0
+        while True:
             try:
                 return fn()
-            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            except _MISSING:
                 raise
             except Exception as exc:
-                if attempt == self.retries:
+                attempt += 1
+                elapsed = time.monotonic() - start
+                denied = isinstance(exc, PermissionError) or type(exc).__name__ in _DENIED_NAMES
+                if denied or (attempt > self.retries and elapsed >= self.retry_budget_s):
                     raise StorageError(
-                        f"{what} failed after {self.retries + 1} attempts: "
+                        f"{what} failed after {attempt} attempts over {elapsed:.1f}s: "
                         f"{type(exc).__name__}: {redact(str(exc), self.options)}"
+                        + (". Check the credentials in storage.options or the environment" if denied else "")
                     ) from None
                 time.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 10.0)
+                delay = min(delay * 2, BACKOFF_MAX_S)
                 self.fs.invalidate_cache()
-        raise AssertionError("unreachable")  # pragma: no cover
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         path = self._p(rel)
 
+        local = is_local(self.root)
+
         def put() -> None:
             parent = path.rsplit("/", 1)[0]
-            if parent:
+            if parent and local:  # object stores have no folders (and s3fs would create a missing bucket)
                 self.fs.makedirs(parent, exist_ok=True)
             self.fs.pipe_file(path, data)
 
@@ -149,3 +203,38 @@ class Storage:
 
     def open_fs_path(self, rel: str) -> tuple[fsspec.AbstractFileSystem, str]:
         return self.fs, self._p(rel)
+
+
+def write_probe(storage: Storage) -> str:
+    """Write a fresh random token to ``<run>/.storage-probe.json`` and return it.
+
+    The driver calls this before starting workers; each worker then calls :func:`check_probe` with the
+    token, which proves that the worker's node sees the very storage the driver writes to (a local path
+    that exists on every node, but as separate disks, fails here instead of as a lost checkpoint later).
+    """
+    token = uuid.uuid4().hex
+    body = {"token": token, "host": socket.gethostname(), "time": time.time()}
+    storage.write_atomic(PROBE, json.dumps(body).encode())
+    return token
+
+
+def check_probe(storage: Storage, token: str, node: str | None = None) -> None:
+    """Raise StorageError unless ``storage`` holds the probe written by :func:`write_probe` as ``token``."""
+    node = node or socket.gethostname()
+    hint = "use s3://, gs:// or a shared mount that every node sees"
+    try:
+        body = json.loads(storage.read_bytes(PROBE))
+    except FileNotFoundError:
+        raise StorageError(
+            f"storage.url={storage.root} is not visible from node {node}: the driver's probe file "
+            f"{PROBE} is missing there; {hint}"
+        ) from None
+    except ValueError:
+        body = {}
+    found = body.get("token") if isinstance(body, dict) else None
+    if found != token:
+        writer = body.get("host", "?") if isinstance(body, dict) else "?"
+        raise StorageError(
+            f"storage.url={storage.root} is not visible from node {node}: it holds a different probe "
+            f"(written by {writer}) than the driver's; this node sees another folder of the same name; {hint}"
+        )

@@ -1,0 +1,121 @@
+"""Whole jobs on a local Ray with real storage: S3 (moto_server) for a run, its resume, and a Parquet dataset;
+a corrupted latest checkpoint skipped on resume; storage options never written anywhere."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+
+from cluster import load_config, train
+from cluster.checkpoint import CheckpointStore, step_dir
+from cluster.storage import Storage
+from jobs.make_tabular import write
+from tests.storage_fixtures import MotoS3
+
+pytestmark = [pytest.mark.ray]
+
+SECRET = "s3cr3t-Do-Not-Leak-7f3a9c"
+
+
+def s3_options(moto: MotoS3) -> dict[str, Any]:
+    # moto does not check credentials: any secret works, so we can check it never leaks
+    return {**moto.options, "secret": SECRET}
+
+
+def events(st: Storage) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in st.read_bytes("events.jsonl").decode().splitlines()]
+
+
+@pytest.mark.timeout(240)
+def test_tiny_job_on_s3_then_resume_from_s3(ray_local: None, tiny_overrides: list[str], moto_s3: MotoS3) -> None:
+    over = [*tiny_overrides, f"storage={moto_s3.url('runs')}", "name=s3run", "checkpoint.every_steps=10"]
+    cfg = load_config("jobs/configs/tiny_cpu.yaml", [*over, "epochs=1"])
+    cfg.storage.options = s3_options(moto_s3)
+    first = train(cfg)
+    assert first.status == "finished" and first.run_url == "s3://bucket/runs/s3run"
+    steps1 = first.global_step
+    assert first.latest_checkpoint == f"s3://bucket/runs/s3run/{step_dir(steps1)}"
+
+    st = Storage("s3://bucket/runs/s3run", s3_options(moto_s3))
+    store = CheckpointStore(st)
+    assert store.list()[-1].step == steps1
+    store.read_verified(store.list()[-1])  # checksums hold on S3
+
+    cfg2 = load_config("jobs/configs/tiny_cpu.yaml", [*over, "epochs=2"])
+    cfg2.storage.options = s3_options(moto_s3)
+    second = train(cfg2)
+    assert second.status == "finished"
+    assert second.global_step == 2 * steps1
+    started = [e for e in events(st) if e["event"] == "group_started"]
+    assert started[-1]["resume_step"] == steps1 and started[-1]["resume_epoch"] == 1
+    assert store.list()[-1].step == 2 * steps1
+    assert st.listdir("metrics")
+
+    # storage.options values appear nowhere the run wrote
+    for rel in ("run.json", "events.jsonl"):
+        assert SECRET not in st.read_bytes(rel).decode()
+    assert json.loads(st.read_bytes("run.json"))["config"]["storage"]["options"]["secret"] == "***"
+
+
+@pytest.mark.timeout(240)
+def test_tabular_task_reads_parquet_from_s3(ray_local: None, tmp_path: Any, moto_s3: MotoS3) -> None:
+    data = moto_s3.url("data/tabular")
+    write(data, rows=2000, files=2, storage_options=moto_s3.options)
+    cfg = load_config(
+        "jobs/configs/tabular_cpu.yaml",
+        [f"storage={tmp_path}/runs", f"task_args.dataset={data}", "epochs=2", "task_args.hidden=32", "task_args.lr=0.01"],
+    )
+    cfg.task_args["storage_options"] = moto_s3.options
+    result = train(cfg)
+    assert result.status == "finished"
+    assert result.global_step == 2 * (2000 // 256)
+    assert result.global_step == 14  # 2000 rows read from S3: 7 steps of 256 per epoch
+    assert result.metrics["loss"] < 1.3  # learnable data: below chance, ln(4)=1.386
+
+
+@pytest.mark.timeout(240)
+def test_corrupted_latest_is_skipped_on_resume(ray_local: None, tiny_overrides: list[str], tmp_path: Any) -> None:
+    over = [*tiny_overrides, "name=corrupt", "checkpoint.every_steps=10"]
+    first = train(load_config("jobs/configs/tiny_cpu.yaml", [*over, "epochs=1"]))
+    latest = first.global_step
+    root = f"{tmp_path}/runs/corrupt"
+    store = CheckpointStore(Storage(root))
+    previous = store.list()[-2].step
+    model = f"{root}/{step_dir(latest)}/model.pt"
+    data = bytearray(open(model, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    with open(model, "wb") as fh:
+        fh.write(bytes(data))
+
+    second = train(load_config("jobs/configs/tiny_cpu.yaml", [*over, "epochs=2"]))
+    assert second.status == "finished" and second.global_step == 2 * latest
+    evs = events(Storage(root))
+    skipped = [e for e in evs if e["event"] == "checkpoint_skipped"]
+    assert [e["step"] for e in skipped] == [latest]
+    assert "checksum" in skipped[0]["reason"]
+    started = [e for e in evs if e["event"] == "group_started"]
+    assert started[-1]["resume_step"] == previous
+
+
+@pytest.mark.timeout(120)
+def test_storage_only_visible_to_driver_fails_with_clear_error(
+    ray_local: None, tiny_overrides: list[str], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that cannot see the driver's probe refuses to train and names the setting to change."""
+    import cluster.driver as driver_mod
+    from cluster import storage as storage_mod
+
+    # the driver writes its probe into one folder; workers are pointed at another (a node-local disk)
+    real = storage_mod.write_probe
+
+    def probe_elsewhere(st: Storage) -> str:
+        return real(Storage(f"{tmp_path}/driver-only-disk"))
+
+    monkeypatch.setattr(driver_mod, "write_probe", probe_elsewhere)
+    cfg = load_config("jobs/configs/tiny_cpu.yaml", [*tiny_overrides, "name=probe"])  # default max_failures: must not retry
+    with pytest.raises(Exception, match=r"storage.url=.* is not visible from node .*shared mount"):
+        train(cfg)
+    assert not os.path.exists(f"{tmp_path}/runs/probe/checkpoints")
