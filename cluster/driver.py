@@ -288,6 +288,7 @@ class Driver:
             nodes=[i.node_id for i in infos],
             hosts=sorted({i.hostname for i in infos}),
             seconds=round(t_ready - t0, 3),
+            setup_s=_phase_max(infos),
         )
         if self._recovery is not None:
             self._recovery.update(
@@ -295,6 +296,10 @@ class Driver:
                 start_s=t_ready - t_reserved,
                 resume_step=r.global_step,
                 load_s=max(i.timings["checkpoint_load"] - i.timings["task"] for i in infos),
+                actors_s=max(i.timings["start"] for i in infos) - t_reserved,
+                rendezvous_s=max(i.timings["process_group"] - i.timings["start"] for i in infos),
+                task_s=max(i.timings["task"] - i.timings["process_group"] for i in infos),
+                t_ready=t_ready,
             )
         where = (
             f"from step {r.global_step} (epoch {r.epoch + 1}, step {r.step_in_epoch})"
@@ -488,7 +493,11 @@ class Driver:
             "detect_to_teardown_s": rec["t_teardown"] - rec["t_detect"],
             "reserve_s": rec.get("reserve_s", 0.0),
             "start_and_load_s": rec.get("start_s", 0.0),
+            "actors_s": rec.get("actors_s", 0.0),
+            "rendezvous_s": rec.get("rendezvous_s", 0.0),
+            "task_s": rec.get("task_s", 0.0),
             "checkpoint_load_s": rec.get("load_s", 0.0),
+            "first_step_s": head.first_step_at - rec.get("t_ready", head.first_step_at),
             "detect_to_first_step_s": head.first_step_at - rec["t_detect"],
         }
         lost = max(0, rec["seen_step"] - rec.get("resume_step", 0))
@@ -572,6 +581,16 @@ class _Heartbeat:
                     f"{ {r: s for r, (s, _) in sorted(self._last.items())} }, lowest rank {lowest}"
                 )
         return None
+
+
+def _phase_max(infos: list[SetupInfo]) -> dict[str, float]:
+    """Slowest rank's seconds per setup phase (each phase ends at the named timestamp)."""
+    out: dict[str, float] = {}
+    for info in infos:
+        marks = list(info.timings.items())
+        for (_, t0), (name, t1) in zip(marks, marks[1:]):
+            out[name] = max(out.get(name, 0.0), round(t1 - t0, 3))
+    return out
 
 
 def _is_remote_error(exc: BaseException) -> bool:

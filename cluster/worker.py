@@ -155,6 +155,7 @@ class Worker:
         self.optimizer = self.task.build_optimizer(self.raw_model)
         total_steps = self.sampler.steps_per_epoch * cfg.training.epochs
         self.scheduler = self.task.build_scheduler(self.optimizer, total_steps)
+        t["ddp"] = time.time()
 
         self.store = CheckpointStore(Storage(self.run_url, cfg.storage.options))
         crash_steps = {f.step for f in self.faults if f.kind == "crash_in_checkpoint"}
