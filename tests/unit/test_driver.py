@@ -43,7 +43,7 @@ class ScriptedGroup:
         self.world_size = world_size
         step = self.resume.get(self.attempt, 0)
         rp = ResumePoint(step, step // STEPS, step % STEPS, None)
-        return [SetupInfo(r, world_size, "h", 1, "gloo", STEPS, rp, [], {"task": 0.0, "checkpoint_load": 0.0})
+        return [SetupInfo(r, world_size, "h", 1, "gloo", STEPS, rp, [], {"start": 0.0, "process_group": 0.0, "task": 0.0, "ddp": 0.0, "checkpoint_load": 0.0, "ready": 0.0})
                 for r in range(world_size)]
 
     def run_epoch(self, epoch: int, start_step: int) -> None:
