@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import json
 import os
 import platform
@@ -588,7 +589,7 @@ def _phase_max(infos: list[SetupInfo]) -> dict[str, float]:
     out: dict[str, float] = {}
     for info in infos:
         marks = list(info.timings.items())
-        for (_, t0), (name, t1) in zip(marks, marks[1:]):
+        for (_, t0), (name, t1) in itertools.pairwise(marks):
             out[name] = max(out.get(name, 0.0), round(t1 - t0, 3))
     return out
 
