@@ -182,3 +182,19 @@ def test_max_failures_exhausted_is_a_clear_error_with_checkpoints_intact(tmp_pat
     latest = CheckpointStore(Storage(run_url)).load_latest()
     assert latest is not None and latest.info.step == 5
     assert events(run_url, "run_failed")
+
+
+def test_resources_that_never_appear_are_a_clear_error(tmp_path: object, ray_local: None) -> None:
+    from cluster.errors import ResourcesUnavailableError
+
+    cfg = load_config(
+        "jobs/configs/tiny_cpu.yaml",
+        overrides(f"{tmp_path}/r", "nores", "scaling.resources_per_worker={tpu_slice: 1}", "scaling.resource_wait_s=2"),
+    )
+    t0 = time.monotonic()
+    with pytest.raises(ResourcesUnavailableError) as info:
+        train(cfg, out=io.StringIO())
+    assert time.monotonic() - t0 < 60  # a bounded wait, not forever
+    text = str(info.value)
+    assert "tpu_slice=1" in text and "scaling.resource_wait_s=2" in text and "Add nodes" in text
+    assert not os.path.exists(f"{tmp_path}/r/nores/checkpoints")
