@@ -1,0 +1,538 @@
+"""One fixed CPU DDP workload, three ways, side by side: this product, bare PyTorch DDP, Ray Train V2.
+
+    RAY_AUTH_MODE=disabled .venv/bin/python -m benchmarks.bench_ddp [--repeats 3] [--json out.json]
+    RAY_AUTH_MODE=disabled .venv/bin/python -m benchmarks.bench_ddp --fault [--repeats 3] [--json out.json]
+
+Workload (identical in every arm): jobs.tasks.charlm:CharLMTask (context 64, d_model 64, 2 layers, 4 heads,
+200k chars of stdlib source), 2 CPU workers over gloo, global batch 64, seed 0, AdamW lr 3e-3 with the
+task's 20-step warmup, 4 epochs of 48 steps, rank 0 checkpoints every ``--ckpt-every`` steps and at each
+epoch end, one thread per worker.
+
+  product   cluster.train(cfg) on an embedded local Ray that train() starts and stops itself
+  bare      torch.multiprocessing spawn + init_process_group(gloo, env://) + DistributedDataParallel +
+            DistributedSampler.set_epoch, rank 0 torch.save each checkpoint; a torchrun-style supervisor
+            (0.1 s monitor interval) restarts all ranks from the latest checkpoint after a failure
+  raytrain  ray.train.torch.TorchTrainer (Ray Train V2), prepare_model, ray.train.report with a Checkpoint
+            from rank 0, FailureConfig(max_failures=1) and ray.train.get_checkpoint() to resume
+
+Each arm runs in a fresh Python process (so nothing is shared or pre-warmed) that has imported torch (and
+ray, for the two Ray arms) before the clock starts. Measured per arm:
+
+  total_s       start of the call / spawn -> everything torn down (Ray shut down, processes joined)
+  first_step_s  start -> rank 0's first optimizer step done
+  epoch_s       median over epochs 2..N of (last step of epoch e) - (last step of epoch e-1) on rank 0:
+                includes whatever happens between epochs (checkpoint, driver round trip, set_epoch)
+  teardown_s    rank 0's last step done -> the call returns
+
+``--fault``: rank 1 SIGKILLs itself right before the forward pass of global step ``--kill-step`` (the
+same hook in all arms: benchmarks/faults.py; it writes the kill time first). Measured: recovery_s (kill ->
+rank 0's first step after the restart), lost_steps (steps done since the checkpoint resumed from, redone),
+total_s; for the product also the phases of its ``recovered`` event.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import itertools
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+ARMS = ("product", "bare", "raytrain")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TASK_ARGS = {"context": 64, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_chars": 200_000, "lr": 0.003}
+TARGETS = {"epoch_s": 1.02, "total_s": 1.25, "first_step_s": 2.0}
+
+
+# ====================================================================== child side: one arm, one run
+def _read_steplog(path: str) -> tuple[list[tuple[int, float, int]], list[tuple[int, float, int]]]:
+    """(starts, steps) from a rank-0 step log: starts = (attempt, time, resume_step), steps =
+    (attempt, time, global_step)."""
+    starts, steps = [], []
+    if not os.path.exists(path):
+        return starts, steps
+    with open(path) as fh:
+        for line in fh:
+            parts = line.split()
+            if len(parts) < 4:
+                continue
+            rec = (int(parts[1]), float(parts[2]), int(parts[3]))
+            (starts if parts[0] == "start" else steps).append(rec)
+    return starts, steps
+
+
+def _epoch_stats(step_times: dict[int, float], steps_per_epoch: int, epochs: int) -> dict[str, Any]:
+    ends = [step_times.get((e + 1) * steps_per_epoch) for e in range(epochs)]
+    per_epoch = [None if a is None or b is None else b - a for a, b in itertools.pairwise(ends)]
+    ok = [x for x in per_epoch if x is not None]
+    # Where an epoch's time goes: the typical step, and the extra time at each epoch boundary (last step of
+    # epoch e -> first step of e+1, minus one typical step): checkpoint, result round trip, next dispatch.
+    inside = [t - step_times[s - 1] for s, t in step_times.items() if s - 1 in step_times and (s - 1) % steps_per_epoch]
+    step_s = statistics.median(inside) if inside else None
+    gaps = [step_times[e * steps_per_epoch + 1] - step_times[e * steps_per_epoch] for e in range(1, epochs)
+            if e * steps_per_epoch in step_times and e * steps_per_epoch + 1 in step_times]
+    return {"epoch_end_times": ends, "epochs_2_to_n_s": per_epoch, "epoch_s": statistics.median(ok) if ok else None,
+            "step_interval_s": step_s,
+            "epoch_boundary_extra_s": statistics.median(gaps) - step_s if gaps and step_s else None}
+
+
+def _fault_stats(kill_file: str, kill_step: int, starts: list[tuple[int, float, int]],
+                 steps: list[tuple[int, float, int]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"kill_step": kill_step}
+    if not os.path.exists(kill_file):
+        out["error"] = "the fault did not fire"
+        return out
+    with open(kill_file) as fh:
+        t_kill = float(fh.read().split()[0])
+    after = [t for a, t, _ in steps if a >= 1]
+    resumed = [r for a, _, r in starts if a >= 1]
+    out["kill_time"] = t_kill
+    out["recovery_s"] = (min(after) - t_kill) if after else None
+    out["resume_step"] = resumed[0] if resumed else None
+    out["lost_steps"] = (kill_step - 1 - resumed[0]) if resumed else None
+    restart = [t for a, t, _ in starts if a >= 1]
+    out["kill_to_loop_start_s"] = (restart[0] - t_kill) if restart else None
+    return out
+
+
+def child_product(spec: dict[str, Any]) -> dict[str, Any]:
+    import pyarrow.parquet as pq
+    import ray
+
+    import cluster.worker_group as wg
+    from cluster import load_config, train
+
+    marks: dict[str, list[float]] = {}
+
+    def timed(owner: Any, name: str, key: str) -> None:
+        orig = getattr(owner, name)
+
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t = time.time()
+            try:
+                return orig(*a, **k)
+            finally:
+                marks.setdefault(key, []).append(time.time() - t)
+
+        setattr(owner, name, wrapper)
+
+    # Instrumentation only: wrappers around calls made a few times per run, nothing on the step path.
+    timed(ray, "init", "ray_init_s")
+    timed(ray, "shutdown", "ray_shutdown_s")
+    for method in ("reserve", "start", "finish", "shutdown"):
+        timed(wg.RayWorkerGroup, method, f"group_{method}_s")
+    # RayWorkerGroup.start waits three times: actors up (node), rank 0's store bound, every rank set up.
+    timed(wg.RayWorkerGroup, "_get", "_get")
+    setups: list[Any] = []
+    orig_start = wg.RayWorkerGroup.start
+
+    def start(self: Any, world_size: int) -> Any:
+        infos = orig_start(self, world_size)
+        setups.append(infos)
+        return infos
+
+    wg.RayWorkerGroup.start = start  # type: ignore[method-assign]
+
+    name = "bench"
+    overrides = [
+        f"name={name}", f"storage={spec['storage']}", f"training.epochs={spec['epochs']}",
+        f"training.global_batch_size={spec['global_batch']}", f"training.seed={spec['seed']}",
+        "training.log_every_steps=1", f"checkpoint.every_steps={spec['ckpt_every_steps']}",
+        "checkpoint.every_epochs=1", "scaling.num_workers=2", "scaling.cpus_per_worker=1",
+        "failures.max_failures=1",
+    ]
+    cfg = load_config(os.path.join(REPO, "jobs/configs/tiny_cpu.yaml"), overrides,
+                      data={"task": spec["task"], "task_args": spec["task_args"]})
+    t0 = time.time()
+    result = train(cfg)
+    t_end = time.time()
+    run = os.path.join(spec["storage"], name)
+    table = pq.read_table(os.path.join(run, "metrics")).to_pylist()
+    rows = sorted((r for r in table if r["kind"] == "step"), key=lambda r: (r["attempt"], r["time"]))
+    with open(os.path.join(run, "events.jsonl")) as fh:
+        events = [json.loads(line) for line in fh if line.strip()]
+    step_times: dict[int, float] = {}
+    for r in rows:  # a later attempt's time wins for a re-done step
+        step_times[int(r["global_step"])] = float(r["time"])
+    spe = int(spec["steps_per_epoch"])
+    first = min((float(r["time"]) for r in rows if r["attempt"] == 0 and r["global_step"] == 1), default=None)
+    last = max(step_times.values())
+    ev = {e["event"]: e for e in events}  # the last event of each kind
+    started = [e for e in events if e["event"] == "group_started"]
+    gets = marks.pop("_get", [])
+    bd: dict[str, Any] = {k: sum(v) for k, v in marks.items()}
+    if len(gets) >= 3:  # first attempt's start(): the three waits
+        bd.update(start_actors_up_s=gets[0], start_bind_store_s=gets[1], start_setup_s=gets[2])
+    if setups:
+        t = max((i.timings for i in setups[0]), key=lambda x: x["ready"])
+        bd.update(setup_process_group_s=t["process_group"] - t["start"], setup_task_s=t["task"] - t["process_group"],
+                  setup_checkpoint_load_s=t["checkpoint_load"] - t["task"],
+                  setup_barrier_s=t["ready"] - t["checkpoint_load"])
+        if "ddp" in t:  # newer workers time the DDP wrap (+ optimizer) apart from the checkpoint load
+            bd.update(setup_ddp_wrap_s=t["ddp"] - t["task"], setup_checkpoint_load_s=t["checkpoint_load"] - t["ddp"])
+    bd.update(
+        call_to_run_start_s=ev["run_start"]["time"] - t0,
+        run_start_to_group_started_s=started[0]["time"] - ev["run_start"]["time"],
+        group_started_to_first_step_s=(first - started[0]["time"]) if first else None,
+        last_step_to_finished_event_s=ev["finished"]["time"] - last if "finished" in ev else None,
+        finished_event_to_return_s=t_end - ev["finished"]["time"] if "finished" in ev else None,
+    )
+    out: dict[str, Any] = {
+        "status": result.status, "steps": result.global_step, "loss": result.metrics.get("loss"),
+        "steps_per_epoch": spe,
+        "total_s": t_end - t0,
+        "first_step_s": first - t0 if first else None,
+        "teardown_s": t_end - last,
+        **_epoch_stats(step_times, spe, spec["epochs"]),
+        "breakdown": bd,
+    }
+    if spec.get("kill_step"):
+        rec = ev.get("recovered", {})
+        out["fault_events"] = {k: v for k, v in rec.items() if k not in ("time", "event")}
+        fs = _fault_stats(spec["kill_file"], spec["kill_step"], [], [])
+        after = [float(r["time"]) for r in rows if r["attempt"] >= 1]
+        if "kill_time" in fs:
+            fs["recovery_s"] = min(after) - fs["kill_time"] if after else None
+            fs["resume_step"] = next((e["resume_step"] for e in started if e["attempt"] >= 1), None)
+            fs["lost_steps"] = (spec["kill_step"] - 1 - fs["resume_step"]) if fs["resume_step"] is not None else None
+            fs["product_reported_lost_steps"] = rec.get("lost_steps")
+            if "failure" in ev:
+                fs["kill_to_detect_s"] = ev["failure"]["time"] - fs["kill_time"]
+        out["fault"] = fs
+    return out
+
+
+def child_bare(spec: dict[str, Any]) -> dict[str, Any]:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from benchmarks._loop import bare_worker
+
+    os.environ["OMP_NUM_THREADS"] = "1"  # what torchrun sets for nproc_per_node > 1
+    world, max_restarts, monitor_s = 2, 1, 0.1
+    os.makedirs(spec["ckpt_dir"], exist_ok=True)
+    t0 = time.time()
+    restarts, detected = 0, None
+    while True:
+        with socket.socket() as s:  # as torchrun's static rendezvous: a free port for this attempt
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ctx = mp.start_processes(bare_worker, args=(world, port, spec), nprocs=world, join=False,
+                                 start_method="spawn")
+        try:
+            while not ctx.join(timeout=monitor_s):
+                pass
+            break
+        except mp.ProcessExitedException:
+            # join() has already terminated and reaped the other ranks.
+            detected = detected or time.time()
+            restarts += 1
+            if restarts > max_restarts:
+                raise
+    t_end = time.time()
+    return _loop_result(spec, t0, t_end, {"restarts": restarts, "detect_time": detected})
+
+
+def child_raytrain(spec: dict[str, Any]) -> dict[str, Any]:
+    import ray
+    import ray.train
+    import ray.train.torch
+
+    from benchmarks._loop import raytrain_loop
+
+    t0 = time.time()
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=spec["ray_tmp"], configure_logging=False,
+             runtime_env={"env_vars": {"PYTHONPATH": REPO}})
+    t_init = time.time()
+    trainer = ray.train.torch.TorchTrainer(
+        raytrain_loop,
+        train_loop_config=spec,
+        scaling_config=ray.train.ScalingConfig(num_workers=2, use_gpu=False),
+        run_config=ray.train.RunConfig(
+            name="bench", storage_path=spec["storage"],
+            failure_config=ray.train.FailureConfig(max_failures=1),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=3),
+        ),
+    )
+    result = trainer.fit()
+    t_fit = time.time()
+    ray.shutdown()
+    t_end = time.time()
+    return _loop_result(spec, t0, t_end, {"ray_init_s": t_init - t0, "fit_s": t_fit - t_init,
+                                          "ray_shutdown_s": t_end - t_fit, "error": repr(result.error)
+                                          if result.error else None})
+
+
+def _loop_result(spec: dict[str, Any], t0: float, t_end: float, extra: dict[str, Any]) -> dict[str, Any]:
+    starts, steps = _read_steplog(spec["steplog"])
+    step_times: dict[int, float] = {}
+    for _, t, s in sorted(steps, key=lambda r: (r[0], r[1])):
+        step_times[s] = t
+    spe = spec["steps_per_epoch"]
+    first = min((t for a, t, s in steps if a == 0 and s == 1), default=None)
+    last = max(step_times.values()) if step_times else None
+    first_start = min((t for a, t, _ in starts if a == 0), default=None)
+    out: dict[str, Any] = {
+        "status": "finished" if step_times.get(spe * spec["epochs"]) else "incomplete",
+        "steps": max(step_times) if step_times else 0,
+        "steps_per_epoch": spe,
+        "total_s": t_end - t0,
+        "first_step_s": first - t0 if first else None,
+        "teardown_s": t_end - last if last else None,
+        **_epoch_stats(step_times, spe, spec["epochs"]),
+        "breakdown": {"call_to_loop_start_s": first_start - t0 if first_start else None,
+                      "loop_start_to_first_step_s": first - first_start if first and first_start else None,
+                      **{k: v for k, v in extra.items() if k != "detect_time"}},
+    }
+    if spec.get("kill_step"):
+        out["fault"] = _fault_stats(spec["kill_file"], spec["kill_step"], starts, steps)
+        if extra.get("detect_time") and "kill_time" in out["fault"]:
+            out["fault"]["kill_to_detect_s"] = extra["detect_time"] - out["fault"]["kill_time"]
+    return out
+
+
+def child_main(arm: str, spec_path: str, out_path: str) -> int:
+    with open(spec_path) as fh:
+        spec = json.load(fh)
+    fn = {"product": child_product, "bare": child_bare, "raytrain": child_raytrain}[arm]
+    result = fn(spec)
+    result["arm"] = arm
+    with open(out_path, "w") as fh:
+        json.dump(result, fh, indent=1, default=str)
+    return 0
+
+
+# ====================================================================== parent side
+def _steps_per_epoch(task_args: dict[str, Any], batch: int) -> int:
+    from jobs.tasks.charlm import load_corpus
+
+    n = (len(load_corpus(int(task_args["max_chars"]))) - 1) // int(task_args["context"])
+    return n // batch
+
+
+def _sweep(tag: str) -> list[int]:
+    """PIDs of leftover processes whose command line names our private temp dir (ours, by construction)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmd = fh.read().decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as fh:
+                if fh.read().split(") ", 1)[1].startswith("Z"):
+                    continue
+        except OSError:
+            continue
+        if tag in cmd:
+            found.append(int(pid))
+    return found
+
+
+def run_arm(arm: str, spec: dict[str, Any], work: str, timeout_s: float) -> dict[str, Any]:
+    spec_path = os.path.join(work, "spec.json")
+    out_path = os.path.join(work, "result.json")
+    with open(spec_path, "w") as fh:
+        json.dump(spec, fh)
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_TMPDIR=spec["ray_tmp"], RAY_TRAIN_V2_ENABLED="1",
+               PYTHONPATH=os.pathsep.join(p for p in [REPO, os.environ.get("PYTHONPATH", "")] if p),
+               RAY_USAGE_STATS_ENABLED="0", BENCH_TAG=spec["ray_tmp"])
+    env.pop("RAY_ADDRESS", None)  # the product arm must start its own embedded Ray
+    log_path = os.path.join(work, "child.log")
+    cmd = [sys.executable, "-m", "benchmarks.bench_ddp", "--child", arm, "--spec", spec_path, "--out", out_path]
+    t = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the group we created for this child
+            proc.wait()
+            rc = -9
+    leftovers = _sweep(spec["ray_tmp"])
+    for pid in leftovers:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    if rc != 0 or not os.path.exists(out_path):
+        with open(log_path) as fh:
+            tail = fh.read()[-3000:]
+        return {"arm": arm, "error": f"exit {rc} after {time.time() - t:.0f}s; log tail:\n{tail}",
+                "leftover_pids_killed": leftovers}
+    with open(out_path) as fh:
+        res: dict[str, Any] = json.load(fh)
+    res["leftover_pids_killed"] = leftovers
+    res["child_wall_s"] = time.time() - t
+    return res
+
+
+def _median(values: list[Any]) -> float | None:
+    vals = [v for v in values if isinstance(v, (int, float))]
+    return statistics.median(vals) if vals else None
+
+
+def _fmt(v: Any, digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def summarize(runs: list[dict[str, Any]], fault: bool) -> dict[str, Any]:
+    keys = ["total_s", "first_step_s", "epoch_s", "teardown_s", "step_interval_s", "epoch_boundary_extra_s"]
+    fkeys = ["recovery_s", "kill_to_detect_s", "lost_steps"]
+    med: dict[str, dict[str, Any]] = {}
+    for arm in ARMS:
+        mine = [r for r in runs if r.get("arm") == arm and "error" not in r]
+        if not mine:
+            continue
+        m = {k: _median([r.get(k) for r in mine]) for k in keys}
+        m["n"] = len(mine)
+        if fault:
+            m.update({k: _median([r.get("fault", {}).get(k) for r in mine]) for k in fkeys})
+            if arm == "product":
+                for k in ("detect_to_teardown_s", "reserve_s", "start_and_load_s", "checkpoint_load_s",
+                          "detect_to_first_step_s", "lost_steps"):
+                    m["phase_" + k] = _median([r.get("fault_events", {}).get(k) for r in mine])
+        bkeys = sorted({k for r in mine for k in r.get("breakdown", {})})
+        m["breakdown"] = {k: _median([r.get("breakdown", {}).get(k) for r in mine]) for k in bkeys}
+        med[arm] = m
+    ratios: dict[str, dict[str, float | None]] = {}
+    base = med.get("bare")
+    for arm in ("product", "raytrain"):
+        if base and arm in med:
+            ratios[f"{arm}/bare"] = {
+                k: (med[arm][k] / base[k]) if med[arm].get(k) and base.get(k) else None
+                for k in keys + (["recovery_s"] if fault else [])
+            }
+    return {"median": med, "ratios": ratios}
+
+
+def print_table(summary: dict[str, Any], fault: bool) -> None:
+    med, ratios = summary["median"], summary["ratios"]
+    if not fault:
+        print(f"\n{'arm':10} {'n':>2} {'total_s':>8} {'first_step_s':>12} {'epoch_s':>8} {'teardown_s':>10}")
+        for arm, m in med.items():
+            print(f"{arm:10} {m['n']:>2} {_fmt(m['total_s']):>8} {_fmt(m['first_step_s']):>12} "
+                  f"{_fmt(m['epoch_s'], 3):>8} {_fmt(m['teardown_s']):>10}   step {_fmt(m['step_interval_s'], 4)}s, "
+                  f"epoch-boundary extra {_fmt(m['epoch_boundary_extra_s'], 3)}s")
+        print(f"\n{'ratio':14} {'total':>7} {'first_step':>10} {'epoch':>7} {'teardown':>9}")
+        for name, r in ratios.items():
+            print(f"{name:14} {_fmt(r['total_s']):>7} {_fmt(r['first_step_s']):>10} {_fmt(r['epoch_s'], 3):>7} "
+                  f"{_fmt(r['teardown_s']):>9}")
+        if "product/bare" in ratios:
+            r = ratios["product/bare"]
+            verdict = ", ".join(f"{k} {_fmt(r[k])}x (target <= {t}x: {'ok' if r[k] and r[k] <= t else 'MISSED'})"
+                                for k, t in TARGETS.items())
+            print(f"\nproduct targets: {verdict}")
+    else:
+        print(f"\n{'arm':10} {'n':>2} {'total_s':>8} {'recovery_s':>10} {'kill->detect':>12} {'lost_steps':>10}")
+        for arm, m in med.items():
+            print(f"{arm:10} {m['n']:>2} {_fmt(m['total_s']):>8} {_fmt(m['recovery_s']):>10} "
+                  f"{_fmt(m['kill_to_detect_s']):>12} {_fmt(m['lost_steps'], 0):>10}")
+        if "product" in med:
+            p = med["product"]
+            print("\nproduct recovered-event phases (median): " + ", ".join(
+                f"{k[6:]}={_fmt(v)}" for k, v in p.items() if k.startswith("phase_")))
+        for name, r in ratios.items():
+            print(f"{name}: total {_fmt(r['total_s'])}x, recovery {_fmt(r['recovery_s'])}x")
+    print("\nbreakdown (median seconds):")
+    for arm, m in med.items():
+        print(f"  {arm:9} " + ", ".join(f"{k}={_fmt(v)}" for k, v in m["breakdown"].items()
+                                        if isinstance(v, (int, float))))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_ddp", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=1, help="repeat the whole comparison N times; report medians")
+    p.add_argument("--arms", default=",".join(ARMS), help="comma list of product,bare,raytrain")
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--fault", action="store_true", help="SIGKILL rank 1 mid-epoch and measure recovery")
+    p.add_argument("--kill-step", type=int, default=76, help="global step before which rank 1 dies (--fault)")
+    p.add_argument("--ckpt-every", type=int, default=None,
+                   help="checkpoint every N steps (default 25 as tiny_cpu.yaml; 10 with --fault)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per arm run before it is killed")
+    p.add_argument("--json", help="write all runs, medians and ratios to this file")
+    p.add_argument("--keep", action="store_true", help="keep the scratch folder (storage, logs)")
+    p.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return child_main(args.child, args.spec, args.out)
+
+    arms = [a for a in args.arms.split(",") if a]
+    bad = [a for a in arms if a not in ARMS]
+    if bad:
+        p.error(f"unknown arm(s) {bad}; choose from {ARMS}")
+    every = args.ckpt_every if args.ckpt_every is not None else (10 if args.fault else 25)
+    spe = _steps_per_epoch(TASK_ARGS, 64)
+    if args.fault and not 1 < args.kill_step <= spe * args.epochs:
+        p.error(f"--kill-step must be within 2..{spe * args.epochs}")
+    scratch = tempfile.mkdtemp(prefix="bddp", dir="/tmp")  # short: Ray's socket paths live under it
+    runs: list[dict[str, Any]] = []
+    t_all = time.time()
+    try:
+        for rep in range(args.repeats):
+            order = arms[rep % len(arms):] + arms[: rep % len(arms)]  # rotate so noise is not one arm's
+            for arm in order:
+                work = os.path.join(scratch, f"{rep}{arm[0]}")
+                os.makedirs(work)
+                spec: dict[str, Any] = {
+                    "task": "benchmarks.faults:KillableCharLM" if args.fault else "jobs.tasks.charlm:CharLMTask",
+                    "task_args": dict(TASK_ARGS), "seed": 0, "global_batch": 64, "epochs": args.epochs,
+                    "ckpt_every_steps": every, "steps_per_epoch": spe,
+                    "storage": os.path.join(work, "runs"), "ckpt_dir": os.path.join(work, "ckpt"),
+                    "steplog": os.path.join(work, "steps.log"), "ray_tmp": os.path.join(work, "r"),
+                    "kill_step": args.kill_step if args.fault else 0,
+                    "kill_file": os.path.join(work, "killed") if args.fault else "",
+                }
+                if args.fault:
+                    spec["task_args"].update(kill_step=args.kill_step, kill_rank=1, kill_file=spec["kill_file"])
+                print(f"[repeat {rep + 1}/{args.repeats}] {arm} ...", flush=True)
+                res = run_arm(arm, spec, work, args.timeout)
+                res["repeat"] = rep
+                runs.append(res)
+                if "error" in res:
+                    print(f"  FAILED: {res['error']}", flush=True)
+                else:
+                    f = res.get("fault", {})
+                    print(f"  total {_fmt(res['total_s'])}s, first step {_fmt(res['first_step_s'])}s, epoch "
+                          f"{_fmt(res['epoch_s'], 3)}s, teardown {_fmt(res['teardown_s'])}s"
+                          + (f", recovery {_fmt(f.get('recovery_s'))}s, lost {f.get('lost_steps')}" if f else "")
+                          + (f"; killed leftovers {res['leftover_pids_killed']}" if res["leftover_pids_killed"]
+                             else ""), flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(scratch, ignore_errors=True)
+        else:
+            print(f"scratch kept in {scratch}")
+    summary = summarize(runs, args.fault)
+    print_table(summary, args.fault)
+    if args.json:
+        doc = {
+            "benchmark": "bench_ddp" + (" --fault" if args.fault else ""),
+            "command": " ".join([os.path.basename(sys.executable), "-m", "benchmarks.bench_ddp", *sys.argv[1:]]),
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+            "workload": {"task_args": TASK_ARGS, "workers": 2, "global_batch": 64, "epochs": args.epochs,
+                         "steps_per_epoch": spe, "ckpt_every_steps": every,
+                         "kill_step": args.kill_step if args.fault else None},
+            "wall_s": time.time() - t_all, "runs": runs, **summary,
+        }
+        with open(args.json, "w") as fh:
+            json.dump(doc, fh, indent=1, default=str)
+        print(f"wrote {args.json}")
+    return 1 if any("error" in r for r in runs) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
