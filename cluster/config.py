@@ -111,7 +111,8 @@ class FailureConfig:
     hang_timeout_floor_s: float = 60.0
     """Lower bound on the automatic hang timeout (and the timeout before the first step is seen)."""
     backoff_s: float = 1.0
-    """Wait before the first restart; doubles per consecutive failure up to ``backoff_max_s``."""
+    """The first restart after progress is immediate; a second failure before an epoch completes waits
+    this long, doubling per further failure up to ``backoff_max_s``."""
     backoff_max_s: float = 30.0
     """Upper bound on the restart wait."""
     warm_restart: bool = True

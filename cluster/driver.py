@@ -78,8 +78,10 @@ class FailurePolicy:
     def __init__(self, cfg: FailureConfig) -> None:
         self.cfg = cfg
 
-    def decide(self, failure: Failure, history: list[Failure]) -> Decision:
-        count = len(history)  # history includes this failure
+    def decide(self, failure: Failure, history: list[Failure], streak: int | None = None) -> Decision:
+        """``history`` holds every failure so far, this one last; ``streak`` counts the failures since
+        training last completed an epoch (default: all of them)."""
+        count = len(history)
         if failure.kind == "user_error" and failure.error is not None:
             for prev in history[:-1]:
                 if prev.error is not None and prev.error.signature == failure.error.signature:
@@ -94,15 +96,13 @@ class FailurePolicy:
                 f"failures.max_failures={self.cfg.max_failures} exhausted ({count} failures); "
                 "raise it (or -1 for unlimited) to keep retrying",
             )
-        delay = min(self.cfg.backoff_max_s, self.cfg.backoff_s * (2 ** max(0, self._streak(history) - 1)))
+        # The first restart after progress is immediate (like torchrun); repeated failures back off.
+        streak = count if streak is None else streak
+        delay = 0.0 if streak <= 1 else min(self.cfg.backoff_max_s, self.cfg.backoff_s * 2 ** (streak - 2))
         return Decision(True, f"restart {count}/{self._budget()}", delay)
 
     def _budget(self) -> str:
         return "unlimited" if self.cfg.max_failures == -1 else str(self.cfg.max_failures)
-
-    @staticmethod
-    def _streak(history: list[Failure]) -> int:
-        return len(history)
 
 
 @dataclass
@@ -129,7 +129,7 @@ class Driver:
         group_factory: GroupFactory | None = None,
         policy: FailurePolicy | None = None,
         out: TextIO | None = None,
-        poll_s: float = 0.5,
+        poll_s: float = 1.0,
     ) -> None:
         self.cfg = cfg
         self.group_factory = group_factory or _ray_group_factory
@@ -152,6 +152,7 @@ class Driver:
         self._recovery: dict[str, Any] | None = None
         self._progress: Progress | None = None
         self._probe_token: str | None = None
+        self._streak = 0  # failures since the last completed epoch
         self._salvage: Any = None
 
     # ------------------------------------------------------------------ public
@@ -391,6 +392,7 @@ class Driver:
             head.epoch, cfg.training.epochs, head.global_step, head.loss, samples_per_s, eta
         )
         self.epoch, self.start_step = head.epoch + 1, 0
+        self._streak = 0
         if self.epoch >= cfg.training.epochs:
             for c in self.group.finish():
                 self._commit_event(c)
@@ -440,6 +442,7 @@ class Driver:
     def _on_failure(self, failure: Failure, seen_step: int | None = None) -> None:
         now = time.time()
         self.failures.append(failure)
+        self._streak += 1
         self._recovery = {"t_detect": now, "kind": failure.kind, "seen_step": seen_step or self.global_step}
         self.events.append(
             "failure",
@@ -455,7 +458,7 @@ class Driver:
     def _recover(self) -> None:
         assert self._recovery is not None
         failure = self.failures[-1]
-        decision = self.policy.decide(failure, self.failures)
+        decision = self.policy.decide(failure, self.failures, self._streak)
         if self.group is not None:
             # Workers still in a collective are killed at once (never wait for the process-group
             # timeout); idle healthy ones may be kept for a warm restart.

@@ -193,4 +193,6 @@ def test_policy_backoff_doubles_and_is_capped() -> None:
     for _ in range(5):
         hist.append(Failure("worker_died", 0, "x"))
         delays.append(policy.decide(hist[-1], hist).delay_s)
-    assert delays == [1.0, 2.0, 4.0, 5.0, 5.0]
+    assert delays == [0.0, 1.0, 2.0, 4.0, 5.0]
+    # progress in between (an epoch completed) makes the next restart immediate again
+    assert policy.decide(hist[-1], hist, streak=1).delay_s == 0.0
