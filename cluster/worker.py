@@ -398,6 +398,16 @@ class Worker:
             self._writer.close(flush=False)
         cdist.destroy_process_group()
 
+    def prepare(self) -> float:
+        """Hot spare: load the task and dataset and pay DDP's one-time import now, not in a recovery."""
+        t0 = time.time()
+        if self._task is None:
+            self._task = build_task(self.cfg.task, self.cfg.task_args)
+            self.dataset = self._task.build_train_dataset()
+        import torch._dynamo  # noqa: F401  (DistributedDataParallel.__init__ imports it: ~1 s once)
+
+        return time.time() - t0
+
     def reset(self, rank: int, world_size: int, attempt: int) -> None:
         """Warm restart: drop the process group and all training state, keep the task and its dataset.
 

@@ -56,6 +56,9 @@ class _WorkerActor:
     def reset(self, rank: int, world_size: int, attempt: int) -> None:
         self.worker.reset(rank, world_size, attempt)
 
+    def prepare(self) -> float:
+        return self.worker.prepare()
+
 
 class RayWorkerGroup:
     """One gang of DDP workers on Ray. ``start`` either returns with every rank set up or raises."""
@@ -71,6 +74,8 @@ class RayWorkerGroup:
         self._pending: list[Any] = []
         self._adopted: dict[int, Any] = {}
         self.reused = 0
+        self.spare: Any = None
+        self._spare_ready: Any = None
 
     # --------------------------------------------------------------- resources
     def bundle(self) -> dict[str, float]:
@@ -145,7 +150,23 @@ class RayWorkerGroup:
         infos: list[SetupInfo] = self._get([a.setup.remote(host, port) for a in self.actors], timeout)
         for info, (node_id, _) in zip(infos, self.nodes):
             info.node_id = node_id
+        self._start_spare(cls)
         return infos
+
+    def _start_spare(self, cls: Any) -> None:
+        """failures.hot_spare: one idle, prepared worker that can take a dead rank's place at once."""
+        if not self.cfg.failures.hot_spare or self.cfg.scaling.use_gpu or self.pg is None:
+            return
+        self.spare = cls.options(  # no CPU of its own: it idles until it inherits a dead rank's bundle
+            num_cpus=0,
+            max_concurrency=2,
+            max_restarts=0,
+            name=f"cluster:{self.cfg.name}:spare:attempt{self.attempt}",
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self.pg, placement_group_bundle_index=-1
+            ),
+        ).remote(self.cfg, 0, self.world_size, self.run_url, self.attempt)
+        self._spare_ready = self.spare.prepare.remote()
 
     def _get(self, refs: list[Any], timeout: float) -> list[Any]:
         """ray.get that fails fast: the first error from any rank ends the wait."""
@@ -245,6 +266,13 @@ class RayWorkerGroup:
         errors = self._errors(0.0)
         idle = [r for r, ref in enumerate(self._pending) if ref in done and not isinstance(errors.get(r), RayActorError)]
         resets = {r: self.actors[r].reset.remote(r, self.world_size, attempt) for r in idle}
+        actors = dict(enumerate(self.actors))
+        dead = [r for r in range(len(self.actors)) if r not in idle]
+        if len(dead) == 1 and self._spare_prepared():
+            # the hot spare becomes the dead rank (it runs in that rank's freed bundle)
+            actors[dead[0]] = self.spare
+            resets[dead[0]] = self.spare.reset.remote(dead[0], self.world_size, attempt)
+            self.spare = None
         kept: dict[int, Any] = {}
         if resets:
             ready, _ = ray.wait(list(resets.values()), num_returns=len(resets), timeout=3.0)
@@ -252,10 +280,11 @@ class RayWorkerGroup:
                 try:
                     if ref in ready:
                         ray.get(ref)
-                        kept[r] = self.actors[r]
+                        kept[r] = actors[r]
                 except Exception:
                     pass
-        for r, actor in enumerate(self.actors):
+        self._kill_spare()
+        for r, actor in actors.items():
             if r not in kept:
                 try:
                     ray.kill(actor, no_restart=True)
@@ -270,6 +299,26 @@ class RayWorkerGroup:
         self.pg, self.actors = None, []
         return token
 
+    def _spare_prepared(self) -> bool:
+        if self.spare is None or self._spare_ready is None:
+            return False
+        ready, _ = ray.wait([self._spare_ready], timeout=0)
+        if not ready:
+            return False
+        try:
+            ray.get(ready[0])
+        except Exception:
+            return False
+        return True
+
+    def _kill_spare(self) -> None:
+        if self.spare is not None:
+            try:
+                ray.kill(self.spare, no_restart=True)
+            except Exception:
+                pass
+            self.spare = None
+
     def adopt(self, token: dict[str, Any]) -> None:
         self.pg = token["pg"]
         self._adopted = dict(token["actors"])
@@ -277,6 +326,7 @@ class RayWorkerGroup:
     def shutdown(self, graceful: bool) -> None:
         """Graceful: destroy process groups and stop actors. Otherwise kill at once (a survivor may be
         blocked in a collective that will not return before the process-group timeout)."""
+        self._kill_spare()
         if graceful and self.actors:
             try:
                 ray.get([a.shutdown.remote() for a in self.actors], timeout=10)

@@ -198,3 +198,20 @@ def test_resources_that_never_appear_are_a_clear_error(tmp_path: object, ray_loc
     text = str(info.value)
     assert "tpu_slice=1" in text and "scaling.resource_wait_s=2" in text and "Add nodes" in text
     assert not os.path.exists(f"{tmp_path}/r/nores/checkpoints")
+
+
+def test_hot_spare_replaces_a_killed_worker(reference: dict, tmp_path: object) -> None:
+    storage = f"{tmp_path}/runs"
+    run_url = f"{storage}/spare"
+    # slower steps, so the spare (started with the group) is prepared before the kill
+    killer = kill_when(run_url, lambda: committed(run_url, 25), rank=1, delay=0.2)
+    cfg = load_config(
+        "jobs/configs/tiny_cpu.yaml",
+        overrides(storage, "spare", "failures.hot_spare=true", "task_args.step_sleep_s=0.15"),
+    )
+    result = train(cfg, out=io.StringIO())
+    killer.join(1)
+    assert result.status == "finished" and result.attempts == 2
+    (recovered,) = events(run_url, "recovered")
+    assert recovered["reused_workers"] == 2  # the survivor and the spare: no process was started
+    assert_bitwise_equal(final_model(run_url), reference)
