@@ -150,6 +150,7 @@ def child_product(spec: dict[str, Any]) -> dict[str, Any]:
         "training.log_every_steps=1", f"checkpoint.every_steps={spec['ckpt_every_steps']}",
         "checkpoint.every_epochs=1", "scaling.num_workers=2", "scaling.cpus_per_worker=1",
         "failures.max_failures=1",
+        *spec.get("product_set", []),
     ]
     cfg = load_config(os.path.join(REPO, "jobs/configs/tiny_cpu.yaml"), overrides,
                       data={"task": spec["task"], "task_args": spec["task_args"]})
@@ -461,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="checkpoint every N steps (default 25 as tiny_cpu.yaml; 10 with --fault)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per arm run before it is killed")
     p.add_argument("--json", help="write all runs, medians and ratios to this file")
+    p.add_argument("--product-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra config override for the product arm, e.g. failures.hot_spare=true")
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (storage, logs)")
     p.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
@@ -494,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
                     "steplog": os.path.join(work, "steps.log"), "ray_tmp": os.path.join(work, "r"),
                     "kill_step": args.kill_step if args.fault else 0,
                     "kill_file": os.path.join(work, "killed") if args.fault else "",
+                    "product_set": list(args.product_set),
                 }
                 if args.fault:
                     spec["task_args"].update(kill_step=args.kill_step, kill_rank=1, kill_file=spec["kill_file"])
