@@ -79,14 +79,22 @@ class Hosts:
                 except ProcessLookupError:
                     pass
             time.sleep(0.3)
+        # Delete the host ends of the veth pairs first (that removes both ends at once); a veth whose
+        # namespace is deleted is otherwise destroyed by the kernel asynchronously, a moment later.
+        for i in range(len(self.names)):
+            ip("link", "del", f"v{self.tag}{i}", check=False)
         for ns in self.made:
             ip("netns", "del", ns, check=False)
         ip("link", "del", self.bridge, check=False)
-        left = [ns for ns in self.made if ns in ip("netns", "list").stdout.split()]
-        if ip("link", "show", self.bridge, check=False).returncode == 0:
-            left.append(self.bridge)
-        left += [line for line in ip("-o", "link", "show").stdout.splitlines() if f"v{self.tag}" in line]
-        return left
+        deadline = time.monotonic() + 15
+        while True:
+            left = [ns for ns in self.made if ns in ip("netns", "list").stdout.split()]
+            if ip("link", "show", self.bridge, check=False).returncode == 0:
+                left.append(self.bridge)
+            left += [line for line in ip("-o", "link", "show").stdout.splitlines() if f"v{self.tag}" in line]
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.5)
 
 
 def start_node(hosts: Hosts, i: int, temp_dir: str, env: dict[str, str], head: str | None, *extra: str) -> None:
