@@ -184,10 +184,8 @@ class Worker:
         """Rank 0 picks the newest verified checkpoint; every rank loads that one step."""
         choice: list[Any] = [None, []]
         if self.rank == 0:
-            loaded = self.store.load_latest()
-            choice = [loaded.info.step if loaded else None, loaded.skipped if loaded else []]
-            if loaded is None:
-                choice[1] = [(s, r) for s, r in self._all_skipped()]
+            loaded = self.store.load_latest()  # records what it passed over in store.last_skipped
+            choice = [loaded.info.step if loaded else None, list(self.store.last_skipped)]
             files = loaded.files if loaded else None
         dist.broadcast_object_list(choice, src=0)
         step, skipped = choice
@@ -207,9 +205,6 @@ class Worker:
         return ResumePoint(
             self.global_step, self.epoch, self.step_in_epoch, self.store.storage.url()
         ), skipped
-
-    def _all_skipped(self) -> list[tuple[int, str]]:
-        return list(self.store.last_skipped)
 
     # ----------------------------------------------------------------- training
     def run_epoch(self, epoch: int, start_step: int) -> EpochResult:

@@ -85,11 +85,6 @@ class RayWorkerGroup:
             b["GPU"] = 1
         return b
 
-    def fits(self, n: int) -> bool:
-        """Could ``n`` bundles fit in the cluster's total resources (ignoring fragmentation)?"""
-        total = ray.cluster_resources()
-        return all(total.get(k, 0) >= v * n for k, v in self.bundle().items())
-
     def available_for(self, n: int) -> bool:
         avail = ray.available_resources()
         return all(avail.get(k, 0) >= v * n - 1e-9 for k, v in self.bundle().items())

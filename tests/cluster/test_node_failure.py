@@ -71,17 +71,24 @@ def events(run_url: str, kind: str) -> list[dict]:
     return [e for e in map(json.loads, open(f"{run_url}/events.jsonl")) if e["event"] == kind]
 
 
+def wait_for(cond: Callable[[], bool], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if cond():
+                return
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        time.sleep(0.05)
+    raise TimeoutError("condition not reached")
+
+
 def when(cond: Callable[[], bool], action: Callable[[], None]) -> threading.Thread:
+    """Run ``action`` in a background thread once ``cond`` holds."""
+
     def go() -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if cond():
-                    action()
-                    return
-            except (FileNotFoundError, json.JSONDecodeError):
-                pass
-            time.sleep(0.05)
+        wait_for(cond)
+        action()
 
     t = threading.Thread(target=go, daemon=True)
     t.start()
@@ -111,18 +118,6 @@ def test_lost_node_with_spare_capacity_recovers_at_full_size(ray_cluster: Any, t
     assert not events(run_url, "resize")
     sizes = audit(f"{tmp}/audit", STEPS, B, EPOCHS)
     assert sizes == {2: EPOCHS * STEPS}
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if cond():
-                return
-        except (FileNotFoundError, json.JSONDecodeError):
-            pass
-        time.sleep(0.05)
-    raise TimeoutError("condition not reached")
 
 
 def test_without_spare_continues_at_min_workers_then_grows_back(ray_cluster: Any, tmp_path: object) -> None:
