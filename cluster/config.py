@@ -118,10 +118,13 @@ class FailureConfig:
     warm_restart: bool = True
     """After a worker dies or raises, reuse the healthy workers' processes (task and dataset already
     loaded) and replace only the lost ones. Lost nodes and hangs always get fresh workers."""
-    hot_spare: bool = True
+    hot_spare: bool | Literal["auto"] = "auto"
     """CPU jobs: keep one extra idle worker process (no CPU reserved; task, dataset and DDP's imports
     loaded) that takes a dead worker's place at once: recovery in well under a second instead of starting
-    a process. Costs one worker's memory. Not used for GPU jobs (a GPU is bound to its process)."""
+    a process. Costs one worker's memory, and the CPU to prepare it (about one torch import) while the
+    first epoch runs. ``auto``: only when a node of the job has at least one worker's CPU share that the
+    job does not use, so the spare never slows training; ``true``: always; ``false``: never. Not used
+    for GPU jobs (a GPU is bound to its process)."""
     process_group_timeout_s: float = 300.0
     """Timeout of collectives in the process group (init_process_group ``timeout``)."""
     inject: list[FaultSpec] = field(default_factory=list)
@@ -169,6 +172,21 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+def _accepts(tp: Any) -> str:
+    """What a value of annotation ``tp`` may be, for messages."""
+    if tp is bool:
+        return "true or false"
+    if typing.get_origin(tp) is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
+    return f"a {_type_name(tp)}"
+
+
+def _accepts_type(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    return _type_name(tp)
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check ``value`` against the annotation ``tp``; return it (ints widen to float)."""
     origin = typing.get_origin(tp)
@@ -177,7 +195,14 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], key)
+        if len(inner) == 1:
+            return _coerce(value, inner[0], key)
+        for alternative in inner:
+            try:
+                return _coerce(value, alternative, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}={value!r} is not allowed; use {' or '.join(_accepts(a) for a in inner)}")
     if origin is Literal:
         if value not in args:
             choices = ", ".join(repr(a) for a in args)
@@ -434,6 +459,8 @@ def field_docs() -> list[tuple[str, str, str, str]]:
             else:
                 default = repr(f.default_factory())  # type: ignore[operator]
             type_text = str(tp).replace("typing.", "").replace("cluster.config.", "")
+            if typing.get_origin(tp) is Union and len(typing.get_args(tp)) > 1 and type(None) not in typing.get_args(tp):
+                type_text = " | ".join(_accepts_type(a) for a in typing.get_args(tp))
             rows.append((key, type_text, default, docs.get(f.name, "")))
 
     walk(JobConfig, "")

@@ -47,6 +47,7 @@ class WorkerGroup(Protocol):
     """What the driver needs from a gang of workers (the seam the driver's unit tests replace)."""
 
     world_size: int
+    spare_note: str  # the hot spare's state after start(): "off", "off: <why>", "preparing"
 
     def reserve(self, sizes: list[int], wait_s: float) -> int: ...
     def start(self, world_size: int) -> list[SetupInfo]: ...
@@ -291,6 +292,7 @@ class Driver:
             hosts=sorted({i.hostname for i in infos}),
             seconds=round(t_ready - t0, 3),
             setup_s=_phase_max(infos),
+            hot_spare=self.group.spare_note,
         )
         if self._recovery is not None:
             self._recovery.update(

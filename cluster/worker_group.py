@@ -76,6 +76,7 @@ class RayWorkerGroup:
         self.reused = 0
         self.spare: Any = None
         self._spare_ready: Any = None
+        self.spare_note = "off"
 
     # --------------------------------------------------------------- resources
     def bundle(self) -> dict[str, float]:
@@ -150,7 +151,16 @@ class RayWorkerGroup:
 
     def _start_spare(self, cls: Any) -> None:
         """failures.hot_spare: one idle, prepared worker that can take a dead rank's place at once."""
-        if not self.cfg.failures.hot_spare or self.cfg.scaling.use_gpu or self.pg is None:
+        mode = self.cfg.failures.hot_spare
+        if mode is False or self.cfg.scaling.use_gpu or self.pg is None:
+            self.spare_note = "off"
+            return
+        bundle = self._spare_bundle() if mode == "auto" else -1
+        if bundle is None:
+            self.spare_note = (
+                "off: no node of the job has a free CPU share for it (failures.hot_spare=auto); "
+                "set failures.hot_spare=true to keep one anyway"
+            )
             return
         self.spare = cls.options(  # no CPU of its own: it idles until it inherits a dead rank's bundle
             num_cpus=0,
@@ -158,10 +168,24 @@ class RayWorkerGroup:
             max_restarts=0,
             name=f"cluster:{self.cfg.name}:spare:attempt{self.attempt}",
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self.pg, placement_group_bundle_index=-1
+                placement_group=self.pg, placement_group_bundle_index=bundle
             ),
         ).remote(self.cfg, 0, self.world_size, self.run_url, self.attempt)
         self._spare_ready = self.spare.prepare.remote()
+        self.spare_note = "preparing"
+
+    def _spare_bundle(self) -> int | None:
+        """The bundle (= rank) on the first node with a CPU share this job does not use, if any: there
+        the spare's preparation (a torch import, the dataset) does not take CPU from training."""
+        share = self.cfg.scaling.cpus_per_worker
+        totals = {n["NodeID"]: float(n.get("Resources", {}).get("CPU", 0)) for n in ray.nodes() if n.get("Alive")}
+        used: dict[str, float] = {}
+        for node_id, _ in self.nodes:
+            used[node_id] = used.get(node_id, 0.0) + share
+        for rank, (node_id, _) in enumerate(self.nodes):
+            if totals.get(node_id, 0.0) - used[node_id] >= share - 1e-9:
+                return rank
+        return None
 
     def _get(self, refs: list[Any], timeout: float) -> list[Any]:
         """ray.get that fails fast: the first error from any rank ends the wait."""

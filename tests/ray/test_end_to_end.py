@@ -53,6 +53,8 @@ def test_tiny_job_trains_checkpoints_and_resumes(ray_local: None, tiny_overrides
     ev = events(first.run_url)
     started = [e for e in ev if e["event"] == "group_started"]
     assert started[-1]["resume_step"] == first.global_step
+    # failures.hot_spare=auto: this Ray has 4 CPUs and the job uses 2, so a spare is kept
+    assert all(e["hot_spare"] == "preparing" for e in started)
     assert [e["epoch"] for e in ev if e["event"] == "epoch_end"] == [0, 1, 2]
 
     # everything done: says so, trains nothing
@@ -67,6 +69,18 @@ def test_tiny_job_trains_checkpoints_and_resumes(ray_local: None, tiny_overrides
     table = pq.read_table(f"{first.run_url}/metrics")
     kinds = table.column("kind").to_pylist()
     assert kinds.count("epoch") == 3 and kinds.count("step") >= 3 * steps_per_epoch
+
+
+def test_auto_hot_spare_stays_off_when_it_would_take_cpu_from_training(
+    ray_local: None, tiny_overrides: list[str]
+) -> None:
+    # 2 workers x 2 CPUs fill this 4-CPU Ray: preparing a spare would slow the workers down
+    overrides = [*tiny_overrides, "name=nospare", "training.epochs=1", "training.max_steps_per_epoch=2",
+                 "scaling.cpus_per_worker=2"]
+    result = train(load_config("jobs/configs/tiny_cpu.yaml", overrides), out=io.StringIO())
+    assert result.status == "finished"
+    (started,) = [e for e in events(result.run_url) if e["event"] == "group_started"]
+    assert started["hot_spare"].startswith("off: no node of the job has a free CPU share")
 
 
 def test_changed_task_or_batch_on_resume_is_refused(ray_local: None, tiny_overrides: list[str]) -> None:

@@ -39,6 +39,7 @@ BAD = [
     (["failures.inject=[{rank: 0, step: 3, kind: explode}]"], "failures.inject[0].kind='explode' is not allowed"),
     (["scaling=4"], "scaling must be a mapping"),
     (["training.epochs"], "must look like key=value"),
+    (["failures.hot_spare=sometimes"], "failures.hot_spare='sometimes' is not allowed; use true or false or 'auto'"),
 ]
 
 
@@ -72,6 +73,8 @@ def test_overrides_and_aliases() -> None:
     assert cfg.scaling.num_workers == 4
     assert cfg.effective_min_workers == 4
     assert isinstance(cfg.scaling.cpus_per_worker, float)
+    for text, value in (("true", True), ("false", False), ("auto", "auto")):
+        assert load_config(TINY, [f"failures.hot_spare={text}"]).failures.hot_spare == value
 
 
 def test_defaults_are_valid_and_secrets_redacted() -> None:

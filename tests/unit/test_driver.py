@@ -28,6 +28,7 @@ class ScriptedGroup:
         self.cfg, self.attempt, self.script = cfg, attempt, script.get(attempt, [])
         self.capacity, self.resume = capacity, resume
         self.world_size = 0
+        self.spare_note = "off"
         self.calls: list[str] = []
         self.epoch = self.start_step = 0
         self.shut: bool | None = None
