@@ -21,6 +21,7 @@ from typing import Any, Protocol, TextIO
 
 import torch
 
+from cluster import local_ray
 from cluster.checkpoint import CheckpointStore
 from cluster.config import FailureConfig, JobConfig
 from cluster.errors import ConfigError, Failure, ResourcesUnavailableError, StorageError, TrainingFailedError
@@ -645,16 +646,7 @@ def ensure_ray(cfg: JobConfig) -> bool:
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
         return True
     s = cfg.scaling
-    cpus = max(os.cpu_count() or 1, int(s.num_workers * s.cpus_per_worker + 0.999))
-    path = os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p)
-    ray.init(
-        address="local",  # never attach to another `ray start` on this machine (/tmp/ray/ray_current_cluster)
-        num_cpus=cpus,
-        include_dashboard=False,
-        log_to_driver=True,
-        configure_logging=False,
-        runtime_env={"env_vars": {"PYTHONPATH": path}},
-    )
+    local_ray.start(max(os.cpu_count() or 1, int(s.num_workers * s.cpus_per_worker + 0.999)))
     return True
 
 
@@ -685,9 +677,7 @@ def train(cfg: JobConfig, out: TextIO | None = None) -> Result:
         return Driver(cfg, out=out).run()
     finally:
         if started:
-            import ray
-
-            ray.shutdown()
+            local_ray.shutdown()
 
 
 def result_to_json(result: Result) -> str:

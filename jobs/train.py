@@ -25,7 +25,7 @@ import argparse
 import signal
 import sys
 
-from cluster import ClusterError, ConfigError, load_config, train
+from cluster import ClusterError, ConfigError, load_config, local_ray, train
 from cluster.driver import ensure_ray, result_to_json
 from cluster.task import load_task_class
 
@@ -79,9 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if started:
-            import ray
-
-            ray.shutdown()
+            local_ray.shutdown()
     if args.result_json:
         with open(args.result_json, "w") as fh:
             fh.write(result_to_json(result))
