@@ -66,7 +66,7 @@ def _monitor_processes() -> list[Any]:
         import ray._private.worker as ray_worker
 
         node = ray_worker._global_node
-        infos = node.all_processes.get(constants.PROCESS_TYPE_MONITOR, []) if node is not None else []
+        infos: list[Any] = node.all_processes.get(constants.PROCESS_TYPE_MONITOR, []) if node is not None else []
         return [info.process for info in infos]
     except Exception:  # pragma: no cover - Ray internals changed: plain shutdown
         return []
@@ -76,7 +76,7 @@ def _monitor_processes() -> list[Any]:
 def _fast_node_registration() -> Iterator[None]:
     try:
         import ray._private.services as services
-        from ray._raylet import GcsClient
+        from ray._raylet import GcsClient  # type: ignore[attr-defined]
 
         original: Callable[[str, str], Any] = services.get_node
     except Exception:  # pragma: no cover - Ray internals changed: plain ray.init
