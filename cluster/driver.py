@@ -138,6 +138,7 @@ class Driver:
         self.policy = policy or FailurePolicy(cfg.failures)
         self.out = out or sys.stdout
         self.poll_s = poll_s
+        self._dispatched_at: float | None = None  # the next epoch was already started by _epoch_done
         self.state = State.STARTING
         self.storage = Storage(join(normalize_url(cfg.storage.url), cfg.name), cfg.storage.options)
         self.run_url = self.storage.root
@@ -326,9 +327,10 @@ class Driver:
         assert self.group is not None and self._progress is not None
         cfg = self.cfg
         group = self.group
-        group.run_epoch(self.epoch, self.start_step)
+        if self._dispatched_at is None:
+            group.run_epoch(self.epoch, self.start_step)
+        t_epoch, self._dispatched_at = self._dispatched_at or time.time(), None
         watch = _Heartbeat(cfg.failures, self.global_step)
-        t_epoch = time.time()
         while True:
             try:
                 results = group.poll(self.poll_s)
@@ -352,6 +354,18 @@ class Driver:
         cfg = self.cfg
         head = results[0]
         self.global_step = head.global_step
+        next_epoch = head.epoch + 1
+        finished = next_epoch >= cfg.training.epochs
+        grow = (
+            not finished
+            and self.world_size < cfg.scaling.num_workers
+            and self.group.available_for(cfg.scaling.num_workers - self.world_size)
+        )
+        if not finished and not grow:
+            # The workers start the next epoch now; this epoch's metrics, events and progress line are
+            # written while they train, not in a gap between epochs.
+            self.group.run_epoch(next_epoch, 0)
+            self._dispatched_at = time.time()
         samples_per_s = head.samples / wall_s if wall_s > 0 else 0.0
         epoch_row = {
             "kind": "epoch",
@@ -394,9 +408,9 @@ class Driver:
         self._progress.epoch_line(
             head.epoch, cfg.training.epochs, head.global_step, head.loss, samples_per_s, eta
         )
-        self.epoch, self.start_step = head.epoch + 1, 0
+        self.epoch, self.start_step = next_epoch, 0
         self._streak = 0
-        if self.epoch >= cfg.training.epochs:
+        if finished:
             for c in self.group.finish():
                 self._commit_event(c)
             self.events.append(
@@ -408,9 +422,7 @@ class Driver:
             )
             self.state = State.FINISHED
             return
-        if self.world_size < cfg.scaling.num_workers and self.group.available_for(
-            cfg.scaling.num_workers - self.world_size
-        ):
+        if grow:
             # Grow back at this epoch boundary: the epoch-end checkpoint is flushed, then a new gang starts.
             for c in self.group.finish():
                 self._commit_event(c)
@@ -444,6 +456,7 @@ class Driver:
 
     def _on_failure(self, failure: Failure, seen_step: int | None = None) -> None:
         now = time.time()
+        self._dispatched_at = None
         self.failures.append(failure)
         self._streak += 1
         self._recovery = {"t_detect": now, "kind": failure.kind, "seen_step": seen_step or self.global_step}
