@@ -253,8 +253,11 @@ def child_raytrain(spec: dict[str, Any]) -> dict[str, Any]:
     from benchmarks._loop import raytrain_loop
 
     t0 = time.time()
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=spec["ray_tmp"], configure_logging=False,
-             runtime_env={"env_vars": {"PYTHONPATH": REPO}})
+    if spec.get("ray_address"):  # --ray-cluster: a running head, as with `ray job submit`
+        ray.init(address=spec["ray_address"], configure_logging=False)
+    else:
+        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=spec["ray_tmp"], configure_logging=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": REPO}})
     t_init = time.time()
     trainer = ray.train.torch.TorchTrainer(
         raytrain_loop,
@@ -349,7 +352,9 @@ def run_arm(arm: str, spec: dict[str, Any], work: str, timeout_s: float) -> dict
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_TMPDIR=spec["ray_tmp"], RAY_TRAIN_V2_ENABLED="1",
                PYTHONPATH=os.pathsep.join(p for p in [REPO, os.environ.get("PYTHONPATH", "")] if p),
                RAY_USAGE_STATS_ENABLED="0", BENCH_TAG=spec["ray_tmp"])
-    env.pop("RAY_ADDRESS", None)  # the product arm must start its own embedded Ray
+    env.pop("RAY_ADDRESS", None)  # the product arm starts its own embedded Ray...
+    if spec.get("ray_address") and arm != "bare":
+        env["RAY_ADDRESS"] = spec["ray_address"]  # ...unless --ray-cluster gave it one to connect to
     log_path = os.path.join(work, "child.log")
     cmd = [sys.executable, "-m", "benchmarks.bench_ddp", "--child", arm, "--spec", spec_path, "--out", out_path]
     t = time.time()
@@ -365,6 +370,8 @@ def run_arm(arm: str, spec: dict[str, Any], work: str, timeout_s: float) -> dict
     for pid in leftovers:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
+    if spec.get("ray_address"):
+        _wait_workers_gone(spec["ray_head_tmp"])
     if rc != 0 or not os.path.exists(out_path):
         with open(log_path) as fh:
             tail = fh.read()[-3000:]
@@ -375,6 +382,70 @@ def run_arm(arm: str, spec: dict[str, Any], work: str, timeout_s: float) -> dict
     res["leftover_pids_killed"] = leftovers
     res["child_wall_s"] = time.time() - t
     return res
+
+
+class RayHead:
+    """--ray-cluster: a real ``ray start --head`` (dashboard included, as on a cluster) that every Ray arm
+    connects to, started before and stopped after all runs; its processes are found by its temp dir."""
+
+    def __init__(self, temp_dir: str) -> None:
+        import socket
+
+        def free_port() -> int:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                return int(sock.getsockname()[1])
+
+        self.temp_dir = temp_dir
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.args = [
+            os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--num-cpus=2",
+            f"--port={self.port}", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}", f"--temp-dir={temp_dir}", "--disable-usage-stats",
+        ]
+
+    def start(self) -> None:
+        env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
+                   PYTHONPATH=os.pathsep.join(p for p in [REPO, os.environ.get("PYTHONPATH", "")] if p))
+        env.pop("RAY_ADDRESS", None)
+        proc = subprocess.run(self.args, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            self.stop()
+            raise RuntimeError(f"ray start --head failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        time.sleep(3)  # let the head settle (dashboard modules, prestarted workers) before any clock starts
+
+    def stop(self) -> None:
+        for _ in range(50):
+            left = _sweep(self.temp_dir)
+            if not left:
+                return
+            for pid in left:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.2)
+
+
+def _wait_workers_gone(head_tmp: str, timeout: float = 20.0) -> None:
+    """After a Ray arm on the shared head: wait until the raylet has reaped that job's worker processes,
+    so they do not run into the next arm."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        busy = []
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                    cmd = fh.read().decode(errors="replace")
+            except OSError:
+                continue
+            if cmd.startswith("ray::") and not cmd.startswith("ray::IDLE"):
+                busy.append(pid)
+        if not busy:
+            return
+        time.sleep(0.2)
 
 
 def _median(values: list[Any]) -> float | None:
@@ -464,6 +535,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write all runs, medians and ratios to this file")
     p.add_argument("--product-set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override for the product arm, e.g. failures.hot_spare=true")
+    p.add_argument("--ray-cluster", action="store_true",
+                   help="start a `ray start --head` first and connect the Ray arms to it (the `ray job submit` "
+                        "setting: Ray is already up) instead of each starting an embedded Ray")
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (storage, logs)")
     p.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
@@ -483,7 +557,11 @@ def main(argv: list[str] | None = None) -> int:
     scratch = tempfile.mkdtemp(prefix="bddp", dir="/tmp")  # short: Ray's socket paths live under it
     runs: list[dict[str, Any]] = []
     t_all = time.time()
+    head = RayHead(os.path.join(scratch, "head")) if args.ray_cluster else None
     try:
+        if head is not None:
+            print(f"starting a Ray head for the Ray arms at {head.address} ...", flush=True)
+            head.start()
         for rep in range(args.repeats):
             order = arms[rep % len(arms):] + arms[: rep % len(arms)]  # rotate so noise is not one arm's
             for arm in order:
@@ -498,6 +576,8 @@ def main(argv: list[str] | None = None) -> int:
                     "kill_step": args.kill_step if args.fault else 0,
                     "kill_file": os.path.join(work, "killed") if args.fault else "",
                     "product_set": list(args.product_set),
+                    "ray_address": head.address if head else "",
+                    "ray_head_tmp": head.temp_dir if head else "",
                 }
                 if args.fault:
                     spec["task_args"].update(kill_step=args.kill_step, kill_rank=1, kill_file=spec["kill_file"])
@@ -515,6 +595,8 @@ def main(argv: list[str] | None = None) -> int:
                           + (f"; killed leftovers {res['leftover_pids_killed']}" if res["leftover_pids_killed"]
                              else ""), flush=True)
     finally:
+        if head is not None:
+            head.stop()
         if not args.keep:
             shutil.rmtree(scratch, ignore_errors=True)
         else:
@@ -523,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(summary, args.fault)
     if args.json:
         doc = {
-            "benchmark": "bench_ddp" + (" --fault" if args.fault else ""),
+            "benchmark": "bench_ddp" + (" --fault" if args.fault else "") + (" --ray-cluster" if head else ""),
             "command": " ".join([os.path.basename(sys.executable), "-m", "benchmarks.bench_ddp", *sys.argv[1:]]),
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
