@@ -1,7 +1,7 @@
 """The embedded single-machine Ray that ``train()`` starts when no cluster is given, started and stopped
 with less waiting than a plain ``ray.init()`` / ``ray.shutdown()``.
 
-Two of Ray's own waits dominate a short local job on a small machine (measured on 2 cores, Ray 2.60.0):
+Three of Ray's own waits dominate a short local job on a small machine (measured on 2 cores, Ray 2.60.0):
 
 - ``ray.init`` asks the GCS for its new node with a call that retries once a second, while the raylet
   registers 0.6-1.7 s after it starts: 1.0 or 2.0 s spent where 0.6-1.7 would do. We poll for the node
@@ -10,7 +10,12 @@ Two of Ray's own waits dominate a short local job on a small machine (measured o
   the monitor does not exit on SIGTERM in time. A local cluster has nothing to autoscale and the monitor
   keeps no state, so we SIGKILL it before calling ``ray.shutdown``.
 
-Both reach into ``ray._private`` of the pinned Ray version. Each is guarded: if Ray's internals differ,
+- ``ray.init(include_dashboard=False)`` still starts Ray's API server process (for usage statistics only,
+  which we disable) and waits 0.8-1.0 s for it to come up before it even starts the raylet. We do not
+  start it: without the dashboard it serves nothing this job uses (the GCS answers everything the driver
+  asks: nodes, resources, actors).
+
+All three reach into ``ray._private`` of the pinned Ray version. Each is guarded: if Ray's internals differ,
 the plain behaviour is used and only the time is lost.
 """
 
@@ -34,7 +39,7 @@ def start(num_cpus: int) -> None:
     # processes inherit this process's environment (PYTHONPATH included) through the raylet started
     # here. A runtime_env would make Ray start job-specific processes for the actors instead of using the
     # ones it prestarts during ray.init (measured: actors up 1.9 s -> 1.25 s on 2 cores).
-    with _fast_node_registration():
+    with _fast_node_registration(), _no_api_server():
         ray.init(
             address="local",  # not /tmp/ray/ray_current_cluster: someone else's `ray start`
             num_cpus=num_cpus,
@@ -98,3 +103,26 @@ def _fast_node_registration() -> Iterator[None]:
         yield
     finally:
         services.get_node = original
+
+
+@contextlib.contextmanager
+def _no_api_server() -> Iterator[None]:
+    try:
+        from ray._private.node import Node
+
+        original = Node.start_api_server
+    except Exception:  # pragma: no cover - Ray internals changed: plain ray.init
+        yield
+        return
+
+    def start_api_server(self: Any, *, include_dashboard: bool | None, raise_on_failure: bool) -> None:
+        if include_dashboard is False:
+            self._webui_url = ""  # no dashboard: nothing to serve, nothing to wait for
+            return
+        original(self, include_dashboard=include_dashboard, raise_on_failure=raise_on_failure)
+
+    Node.start_api_server = start_api_server  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Node.start_api_server = original  # type: ignore[method-assign]
