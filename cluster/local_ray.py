@@ -3,17 +3,16 @@ with less waiting than a plain ``ray.init()`` / ``ray.shutdown()``.
 
 Three of Ray's own waits dominate a short local job on a small machine (measured on 2 cores, Ray 2.60.0):
 
+- ``ray.init(include_dashboard=False)`` still starts Ray's API server process (for usage statistics only,
+  which we disable) and waits 0.8-1.0 s for it to come up before it even starts the raylet. We do not
+  start it: without the dashboard it serves nothing this job uses (the GCS answers everything the driver
+  asks: nodes, resources, actors).
 - ``ray.init`` asks the GCS for its new node with a call that retries once a second, while the raylet
   registers 0.6-1.7 s after it starts: 1.0 or 2.0 s spent where 0.6-1.7 would do. We poll for the node
   every 20 ms first, then make Ray's own call, which then answers at once.
 - ``ray.shutdown`` sends SIGTERM to the autoscaler monitor and waits a full second before SIGKILL, because
   the monitor does not exit on SIGTERM in time. A local cluster has nothing to autoscale and the monitor
   keeps no state, so we SIGKILL it before calling ``ray.shutdown``.
-
-- ``ray.init(include_dashboard=False)`` still starts Ray's API server process (for usage statistics only,
-  which we disable) and waits 0.8-1.0 s for it to come up before it even starts the raylet. We do not
-  start it: without the dashboard it serves nothing this job uses (the GCS answers everything the driver
-  asks: nodes, resources, actors).
 
 All three reach into ``ray._private`` of the pinned Ray version. Each is guarded: if Ray's internals differ,
 the plain behaviour is used and only the time is lost.
