@@ -3,8 +3,8 @@ with less waiting than a plain ``ray.init()`` / ``ray.shutdown()``.
 
 Three of Ray's own waits dominate a short local job on a small machine (measured on 2 cores, Ray 2.60.0):
 
-- ``ray.init(include_dashboard=False)`` still starts Ray's API server process (for usage statistics only,
-  which we disable) and waits 0.8-1.0 s for it to come up before it even starts the raylet. We do not
+- ``ray.init(include_dashboard=False)`` still starts Ray's API server process (for Ray's usage statistics and
+  nothing else) and waits 0.8-1.0 s for it to come up before it even starts the raylet. We do not
   start it: without the dashboard it serves nothing this job uses (the GCS answers everything the driver
   asks: nodes, resources, actors).
 - ``ray.init`` asks the GCS for its new node with a call that retries once a second, while the raylet
