@@ -7,13 +7,11 @@ interface inside every namespace has the same name (``IFNAME``) so one ``scaling
 
 from __future__ import annotations
 
-import os
 import secrets
-import signal
 import subprocess
 import time
 
-from tests.cluster.rayproc import RAY, kill_owned, run
+from tests.cluster.rayproc import RAY, kill_owned, kill_until_gone, run
 
 IFNAME = "eth0c"
 SUBNET = "10.231.0"
@@ -69,16 +67,7 @@ class Hosts:
 
     def teardown(self) -> list[str]:
         """Kill every process in the namespaces, delete them and the bridge; return what is left."""
-        for _ in range(20):
-            pids = [p for i in range(len(self.made)) for p in self.pids(i)]
-            if not pids:
-                break
-            for p in pids:
-                try:
-                    os.kill(p, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.3)
+        kill_until_gone(lambda: [p for i in range(len(self.made)) for p in self.pids(i)], timeout=6)
         # Delete the host ends of the veth pairs first (that removes both ends at once); a veth whose
         # namespace is deleted is otherwise destroyed by the kernel asynchronously, a moment later.
         for i in range(len(self.names)):

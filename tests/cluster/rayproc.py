@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.dirname(sys.executable)
@@ -75,11 +75,10 @@ def owned_pids(markers: Iterable[str], roots: Iterable[int] = ()) -> list[int]:
     return sorted(p for p in owned if procs[p][1] != "Z")
 
 
-def kill_owned(markers: Iterable[str], roots: Iterable[int] = (), timeout: float = 20.0) -> list[int]:
-    """SIGKILL every process :func:`owned_pids` finds until none is left; return what is still alive."""
-    markers = list(markers)
+def kill_until_gone(find: Callable[[], list[int]], timeout: float = 20.0) -> list[int]:
+    """SIGKILL what ``find`` returns until it returns nothing or ``timeout`` passes; return what is left."""
     deadline = time.monotonic() + timeout
-    left = owned_pids(markers, roots)
+    left = find()
     while left and time.monotonic() < deadline:
         for pid in left:
             try:
@@ -87,8 +86,16 @@ def kill_owned(markers: Iterable[str], roots: Iterable[int] = (), timeout: float
             except ProcessLookupError:
                 pass
         time.sleep(0.3)
-        left = owned_pids(markers, ())
+        left = find()
     return left
+
+
+def kill_owned(markers: Iterable[str], roots: Iterable[int] = (), timeout: float = 20.0) -> list[int]:
+    """SIGKILL every process :func:`owned_pids` finds until none is left; return what is still alive.
+    ``roots`` count only on the first look (a dead root's PID may be reused by someone else)."""
+    markers = list(markers)
+    first = [owned_pids(markers, roots)]
+    return kill_until_gone(lambda: first.pop() if first else owned_pids(markers, ()), timeout)
 
 
 def run(args: list[str], env: dict[str, str], timeout: float, cwd: str | None = None) -> subprocess.CompletedProcess[str]:
