@@ -21,6 +21,8 @@ Metrics schema (``metrics/steps-*.parquet``, one file per epoch and attempt; rea
 
 from __future__ import annotations
 
+import array
+import itertools
 import json
 import sys
 import time
@@ -75,14 +77,31 @@ def write_metrics(storage: Storage, rows: list[dict[str, Any]], epoch: int, atte
     """Write rows as one Parquet file under ``metrics/``; return its relative path."""
     if not rows:
         return None
-    table = pa.Table.from_pylist(
-        [{name: row.get(name) for name in SCHEMA.names} for row in rows], schema=SCHEMA
+    table = pa.Table.from_arrays(
+        [_column([row.get(f.name) for row in rows], f.type) for f in SCHEMA], schema=SCHEMA
     )
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
     rel = f"metrics/steps-e{epoch:05d}-a{attempt:03d}-{int(time.time() * 1000)}.parquet"
     storage.write_bytes(rel, sink.getvalue().to_pybytes())
     return rel
+
+
+def _column(values: list[Any], typ: pa.DataType) -> pa.Array:
+    """One column built from its buffers. ``pa.array`` and ``Table.from_pylist`` import pandas on first use
+    (to ask whether the values are a pandas object): ~0.35 s of CPU in the driver, at the first epoch's end,
+    taken from the workers while they train epoch 2."""
+    n = len(values)
+    valid = [v is not None for v in values]
+    bitmap = None if all(valid) else pa.py_buffer(
+        sum(1 << i for i, ok in enumerate(valid) if ok).to_bytes((n + 7) // 8, "little")
+    )
+    if pa.types.is_string(typ):
+        data = [b"" if v is None else str(v).encode() for v in values]
+        offsets = array.array("i", itertools.accumulate((len(b) for b in data), initial=0))
+        return pa.Array.from_buffers(typ, n, [bitmap, pa.py_buffer(offsets), pa.py_buffer(b"".join(data))])
+    code = {pa.float64(): "d", pa.int64(): "q"}[typ]  # the only other types SCHEMA uses
+    return pa.Array.from_buffers(typ, n, [bitmap, pa.py_buffer(array.array(code, (v or 0 for v in values)))])
 
 
 def read_metrics(storage: Storage) -> pa.Table:

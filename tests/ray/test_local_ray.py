@@ -33,18 +33,29 @@ def _descendants(root: int) -> set[int]:
     return found
 
 
-def test_embedded_ray_runs_actors_without_api_server_and_stops_everything() -> None:
+def test_embedded_ray_runs_actors_without_api_server_or_monitor_and_stops_everything() -> None:
     import ray
     import ray._private.worker as ray_worker
 
     assert not ray.is_initialized()
     before = _descendants(os.getpid())
     os.environ["CLUSTER_PROBE_VAR"] = "seen"
+    os.environ["LOG_NAME_UPDATE_INTERVAL_S"] = "3"  # a user's own setting wins over the embedded Ray's
     local_ray.start(2)
     try:
-        started = set(ray_worker._global_node.all_processes)
+        node = ray_worker._global_node
+        started = set(node.all_processes)
         assert "dashboard" not in started  # Ray's API server is not started (nothing to serve without it)
-        assert {"gcs_server", "raylet"} <= started
+        assert "monitor" not in started  # nor the autoscaler monitor: one machine has nothing to autoscale
+        assert {"gcs_server", "raylet", "log_monitor"} <= started
+        # The quiet settings reach Ray's processes; the driver's own environment is left as it was.
+        assert node._config["task_events_report_interval_ms"] == 0
+        assert node._config["enable_metrics_collection"] is False
+        with open(f"/proc/{node.all_processes['log_monitor'][0].process.pid}/environ", "rb") as fh:
+            env = dict(kv.split(b"=", 1) for kv in fh.read().split(b"\0") if b"=" in kv)
+        assert env[b"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"] == b"0"
+        assert env[b"LOG_NAME_UPDATE_INTERVAL_S"] == b"3"
+        assert "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD" not in os.environ
 
         @ray.remote(num_cpus=1)
         class Probe:
@@ -61,6 +72,7 @@ def test_embedded_ray_runs_actors_without_api_server_and_stops_everything() -> N
         assert ours  # GCS, raylet, agents, workers
     finally:
         os.environ.pop("CLUSTER_PROBE_VAR", None)
+        os.environ.pop("LOG_NAME_UPDATE_INTERVAL_S", None)
         local_ray.shutdown()
     deadline = time.monotonic() + 30
     while (_descendants(os.getpid()) - before) and time.monotonic() < deadline:
