@@ -2,7 +2,9 @@
 decides on failures through a small policy object, and resumes from the latest verified checkpoint.
 
 It never sits on a training step's path: workers train a whole epoch autonomously; the driver waits on the
-epoch's result and reads a heartbeat (global step, time of the last step) about once a second.
+epoch's result and reads a heartbeat (global step, time of the last step): once a second while a live bar
+is drawn in a terminal, otherwise every twentieth of the hang timeout (3 s by default), because each
+heartbeat is a call into every worker while it trains.
 """
 
 from __future__ import annotations
@@ -333,7 +335,7 @@ class Driver:
         watch = _Heartbeat(cfg.failures, self.global_step)
         while True:
             try:
-                results = group.poll(self.poll_s)
+                results = group.poll(self._heartbeat_every(watch))
             except Exception as exc:
                 failure = group.classify(exc)
                 watch.update(group.progress(timeout=0.5))  # survivors know how far training got
@@ -348,6 +350,14 @@ class Driver:
                 self._on_failure(Failure("hang", hung[0], hung[1]), watch.max_step)
                 return
         self._epoch_done(results, time.time() - t_epoch)
+
+    def _heartbeat_every(self, watch: _Heartbeat) -> float:
+        """Seconds between heartbeats: ``poll_s`` for a terminal's live bar, else a twentieth of the hang
+        timeout within [poll_s, 5 * poll_s]. A death is seen at once either way (the epoch's result fails)."""
+        assert self._progress is not None
+        if self._progress.tty:
+            return self.poll_s
+        return min(max(self.poll_s, watch.timeout() / 20), 5 * self.poll_s)
 
     def _epoch_done(self, results: list[EpochResult], wall_s: float) -> None:
         assert self._progress is not None and self.group is not None

@@ -11,19 +11,19 @@ Three of Ray's own waits dominate a short local job on a small machine (measured
   registers 0.6-1.7 s after it starts: 1.0 or 2.0 s spent where 0.6-1.7 would do. We poll for the node
   every 20 ms first, then make Ray's own call, which then answers at once.
 - ``ray.shutdown`` sends SIGTERM to the autoscaler monitor and waits a full second before SIGKILL, because
-  the monitor does not exit on SIGTERM in time. A local cluster has nothing to autoscale and the monitor
-  keeps no state, so we SIGKILL it before calling ``ray.shutdown``.
+  the monitor does not exit on SIGTERM in time. A local cluster has nothing to autoscale, so no monitor is
+  started (as ``ray start --no-monitor``); should one run anyway, it is SIGKILLed before ``ray.shutdown``.
 
-All three reach into ``ray._private`` of the pinned Ray version. Each is guarded: if Ray's internals differ,
-the plain behaviour is used and only the time is lost.
+All of this reaches into ``ray._private`` of the pinned Ray version. Each part is guarded: if Ray's internals
+differ, the plain behaviour is used and only the time is lost.
 
 While training, Ray's own processes take CPU from the workers, and on a machine whose cores the workers fill
 each such tick stalls every rank (the others wait for the preempted one at the next all-reduce). Measured over
 40 s of the benchmark workload (2 workers on 2 cores, ``/proc`` ticks of 10 ms): the dashboard agent 38,
 the log monitor 31, the raylet 27, the driver 23, the GCS 18, the autoscaler monitor 4. The embedded Ray
 turns off what only feeds parts it does not run (see ``_SYSTEM_CONFIG`` and ``_QUIET_ENV``) and starts no
-autoscaler monitor (one machine has nothing to autoscale), which brings those 141 ticks to about 60. A user's
-own ``RAY_*`` setting of the same name wins over ours.
+autoscaler monitor (one machine has nothing to autoscale), which brings those 141 ticks to about 60
+(``python -m benchmarks.diag_background``). A variable the user has set keeps the user's value.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ STEPS = 4
 
 
 class ScriptedGroup:
-    """Plays back a script: per attempt, a list of outcomes for successive epochs ('ok', a Failure, 'hang')."""
+    """Plays back a script: per attempt, a list of outcomes for successive polls ('ok', a Failure, 'hang'
+    for ever, 'busy' once)."""
 
     instances: list[ScriptedGroup] = []
 
@@ -30,6 +31,7 @@ class ScriptedGroup:
         self.world_size = 0
         self.spare_note = "off"
         self.calls: list[str] = []
+        self.polls: list[float] = []
         self.epoch = self.start_step = 0
         self.shut: bool | None = None
         ScriptedGroup.instances.append(self)
@@ -52,11 +54,14 @@ class ScriptedGroup:
         self.epoch, self.start_step = epoch, start_step
 
     def poll(self, timeout: float) -> list[EpochResult] | None:
+        self.polls.append(timeout)
         outcome = self.script.pop(0) if self.script else "ok"
         if isinstance(outcome, Failure):
             raise RuntimeError(outcome.message)
         if outcome == "hang":
             self.script.insert(0, "hang")
+            return None
+        if outcome == "busy":  # one poll that finds the epoch still running
             return None
         steps = STEPS - self.start_step
         gs = (self.epoch + 1) * STEPS
@@ -178,6 +183,29 @@ def test_shrinks_to_min_workers_then_grows_back_at_epoch_boundary() -> None:
     resizes = [e for e in driver.events.records() if e["event"] == "resize"]
     assert [(e["old"], e["new"]) for e in resizes] == [(2, 1), (1, 2)]
     assert all(e["reason"] for e in resizes)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("overrides", "terminal", "expected"),
+    [
+        ([], False, 3.0),  # a twentieth of the default 60 s hang timeout: fewer calls into training workers
+        (["failures.hang_timeout_s=600"], False, 5.0),  # capped at 5 * poll_s
+        (["failures.hang_timeout_s=4"], False, 1.0),  # never below poll_s
+        ([], True, 1.0),  # a terminal's live bar refreshes every poll_s
+    ],
+)
+def test_heartbeat_interval(overrides: list[str], terminal: bool, expected: float) -> None:
+    driver, _ = make({0: ["busy", "busy", "busy"]}, overrides)
+    driver.poll_s = 1.0
+    if terminal:
+        driver.out = _Terminal()
+    assert driver.run().status == "finished"
+    assert ScriptedGroup.instances[0].polls[:4] == [expected] * 4
 
 
 def test_resources_never_appear_is_a_clear_error() -> None:
