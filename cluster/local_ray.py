@@ -22,7 +22,7 @@ each such tick stalls every rank (the others wait for the preempted one at the n
 40 s of the benchmark workload (2 workers on 2 cores, ``/proc`` ticks of 10 ms): the dashboard agent 38,
 the log monitor 31, the raylet 27, the driver 23, the GCS 18, the autoscaler monitor 4. The embedded Ray
 turns off what only feeds parts it does not run (see ``_SYSTEM_CONFIG`` and ``_QUIET_ENV``) and starts no
-autoscaler monitor (one machine has nothing to autoscale), which brings those 141 ticks to about 60
+autoscaler monitor (one machine has nothing to autoscale), which brings those 141 ticks to 61-75
 (``python -m benchmarks.diag_background``). A variable the user has set keeps the user's value.
 """
 
