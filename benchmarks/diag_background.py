@@ -1,7 +1,7 @@
 """Who takes CPU from the workers while they train? Per-process CPU ticks over a window of steady training.
 
     RAY_AUTH_MODE=disabled .venv/bin/python -m benchmarks.diag_background [--arm product|bare]
-        [--delay 25] [--window 40] [--epochs 14] [--set KEY=VALUE ...]
+        [--delay 25] [--window 40] [--epochs 30] [--set KEY=VALUE ...]
 
 Runs the ``bench_ddp`` workload (2 CPU workers, 48 steps an epoch) for ``--epochs`` epochs in a child
 process, waits ``--delay`` seconds (past startup and the first epoch), then reads every thread's user+system
@@ -14,6 +14,9 @@ that are not the workers' is therefore the number to keep small; it is measured,
 less noisy than an epoch-time ratio on a shared VM. Kernel threads and the machine's own agents are in the
 sum too; run ``--arm bare`` for the floor they make. ``--set`` passes config overrides to the product arm
 (e.g. ``--set failures.hot_spare=true``); Ray's own settings can be tried through the environment.
+
+It also prints, per worker, how long its training thread was runnable but not running in the window (the
+second field of ``/proc/PID/task/TID/schedstat``, in ms per second): the stall itself, whoever caused it.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import time
 
 from benchmarks.bench_ddp import REPO, TASK_ARGS, _steps_per_epoch
 
-Ticks = dict[tuple[int, int], tuple[str, str, int]]
+Ticks = dict[tuple[int, int], tuple[str, str, int, int]]
 
 
 def _name(pid: str) -> str:
@@ -50,7 +53,9 @@ def snapshot() -> Ticks:
                     stat = fh.read()
                 fields = stat[stat.rindex(")") + 2 :].split()
                 comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-                out[(int(pid), int(tid))] = (name, comm, int(fields[11]) + int(fields[12]))
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as fh:
+                    wait_ns = int(fh.read().split()[1])  # time spent runnable but waiting for a core
+                out[(int(pid), int(tid))] = (name, comm, int(fields[11]) + int(fields[12]), wait_ns)
         except (OSError, ValueError):
             continue  # gone between listing and reading
     return out
@@ -86,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arm", choices=("product", "bare"), default="product")
     p.add_argument("--delay", type=float, default=25.0, help="seconds after the start before the window")
     p.add_argument("--window", type=float, default=40.0, help="seconds of sampling")
-    p.add_argument("--epochs", type=int, default=14, help="long enough to cover delay + window")
+    p.add_argument("--epochs", type=int, default=30, help="long enough to cover delay + window")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="product config override")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -112,8 +117,13 @@ def main(argv: list[str] | None = None) -> int:
             proc.kill()
     per_proc: collections.Counter[tuple[int, str]] = collections.Counter()
     per_thread: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-    for key, (name, comm, ticks) in after.items():
-        delta = ticks - before.get(key, (name, comm, 0))[2]
+    waited: collections.Counter[int] = collections.Counter()  # per process: its busiest thread's wait, ns
+    busiest: dict[int, int] = {}
+    for key, (name, comm, ticks, wait_ns) in after.items():
+        delta = ticks - before.get(key, (name, comm, 0, 0))[2]
+        if delta > busiest.get(key[0], 0):
+            busiest[key[0]] = delta
+            waited[key[0]] = wait_ns - before.get(key, (name, comm, 0, wait_ns))[3]
         if delta > 0 and key[0] != os.getpid():
             name = "driver (the job's own process)" if key[0] == proc.pid else name
             per_proc[(key[0], name)] += delta
@@ -132,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     own = sum(t for (pid, _), t in per_proc.items() if pid not in workers)
     print(f"not the workers: {own} ticks in {seconds:.0f} s ({own / seconds:.2f} ticks/s); workers: "
           f"{sum(t for (pid, _), t in per_proc.items() if pid in workers)}")
+    waits = [waited[pid] / 1e6 / seconds for pid in sorted(workers)]
+    print("workers' training threads runnable but not running (waiting for a core): "
+          + ", ".join(f"{w:.1f}" for w in waits) + " ms/s")
     return 0 if covered else 1
 
 
