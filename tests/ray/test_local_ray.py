@@ -51,6 +51,7 @@ def test_embedded_ray_runs_actors_without_api_server_or_monitor_and_stops_everyt
         # The quiet settings reach Ray's processes; the driver's own environment is left as it was.
         assert node._config["task_events_report_interval_ms"] == 0
         assert node._config["enable_metrics_collection"] is False
+        assert node._config["raylet_client_connect_timeout_milliseconds"] == 50
         with open(f"/proc/{node.all_processes['log_monitor'][0].process.pid}/environ", "rb") as fh:
             env = dict(kv.split(b"=", 1) for kv in fh.read().split(b"\0") if b"=" in kv)
         assert env[b"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"] == b"0"
