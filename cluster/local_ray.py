@@ -1,21 +1,31 @@
 """The embedded single-machine Ray that ``train()`` starts when no cluster is given, started and stopped
 with less waiting than a plain ``ray.init()`` / ``ray.shutdown()``.
 
-Four of Ray's own waits dominate a short local job on a small machine (measured on 2 cores, Ray 2.60.0):
+Ray's own waits dominate a short local job on a small machine (measured on 2 cores, Ray 2.60.0):
 
 - ``ray.init(include_dashboard=False)`` still starts Ray's API server process (for Ray's usage statistics and
   nothing else) and waits 0.8-1.0 s for it to come up before it even starts the raylet. We do not
   start it: without the dashboard it serves nothing this job uses (the GCS answers everything the driver
   asks: nodes, resources, actors).
+- Before starting the raylet, ``ray.init`` imports the dashboard's dependencies (aiohttp, OpenTelemetry, ...)
+  into the driver only to learn whether they are installed: 0.65 s. We locate them instead
+  (``importlib.util.find_spec``, under a millisecond); a missing one still gives Ray's minimal-install answer.
+- The raylet, given port 0 for its agents, blocks until the dashboard agent (about a second of imports) and
+  the runtime-env agent have bound ports and written them to files, and only then registers the node. We
+  give it free ports from above the kernel's ephemeral range (no outgoing connection can be handed one
+  before the agent binds it); it registers at once and the agents bind them as they come up.
 - ``ray.init`` asks the GCS for its new node with a call that retries once a second, while the raylet
   registers 0.6-1.7 s after it starts: 1.0 or 2.0 s spent where 0.6-1.7 would do. We poll for the node
   every 20 ms first, then make Ray's own call, which then answers at once.
-- ``ray.shutdown`` sends SIGTERM to the autoscaler monitor and waits a full second before SIGKILL, because
-  the monitor does not exit on SIGTERM in time. A local cluster has nothing to autoscale, so no monitor is
-  started (as ``ray start --no-monitor``); should one run anyway, it is SIGKILLed before ``ray.shutdown``.
 - The raylet connects to the object store it has just started on another thread; when the store is not
   listening yet, the retry comes 1000 ms later. On a busy 2-core machine that was one start in four; the
   embedded Ray retries every 50 ms (with 200 attempts, the same 10 s budget).
+- ``ray.shutdown`` sends SIGTERM to the autoscaler monitor and waits a full second before SIGKILL, because
+  the monitor does not exit on SIGTERM in time. A local cluster has nothing to autoscale, so no monitor is
+  started (as ``ray start --no-monitor``); should one run anyway, it is SIGKILLed before ``ray.shutdown``.
+
+Together, until two actors answer (``python -m benchmarks.diag_start``, medians of 6): plain ``ray.init`` 4.7 s,
+this module 2.3 s.
 
 All of this reaches into ``ray._private`` of the pinned Ray version. Each part is guarded: if Ray's internals
 differ, the plain behaviour is used and only the time is lost.
@@ -32,7 +42,10 @@ autoscaler monitor (one machine has nothing to autoscale), which brings those 14
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
+import random
+import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -75,7 +88,14 @@ def start(num_cpus: int) -> None:
     # here. A runtime_env would make Ray start job-specific processes for the actors instead of using the
     # ones it prestarts during ray.init (measured: actors up 1.9 s -> 1.25 s on 2 cores).
     system_config = _system_config(os.environ)
-    with _fast_node_registration(), _no_api_server(), _no_monitor(), _env(_QUIET_ENV):
+    with (
+        _fast_node_registration(),
+        _no_api_server(),
+        _no_monitor(),
+        _cheap_dependency_check(),
+        _agent_ports(),
+        _env(_QUIET_ENV),
+    ):
         ray.init(
             address="local",  # not /tmp/ray/ray_current_cluster: someone else's `ray start`
             num_cpus=num_cpus,
@@ -172,6 +192,106 @@ def _no_api_server() -> Iterator[None]:
         yield
     finally:
         Node.start_api_server = original  # type: ignore[method-assign]
+
+
+# What ``ray.dashboard.optional_deps`` imports to learn whether the dashboard agent can run in full.
+_DASHBOARD_DEPS = ("aiohttp", "aiohttp_cors", "grpc", "opencensus", "opentelemetry.exporter.prometheus",
+                   "opentelemetry.proto", "prometheus_client", "pydantic")
+
+
+def dashboard_dependency_error() -> ImportError | None:
+    """Ray's ``get_dashboard_dependency_error``, answered by locating the packages instead of importing them."""
+    for name in _DASHBOARD_DEPS:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            return ImportError(f"No module named {name!r}")
+    return None
+
+
+@contextlib.contextmanager
+def _cheap_dependency_check() -> Iterator[None]:
+    """``ray.init`` imports the dashboard's dependencies in the driver (aiohttp, OpenTelemetry, ...: 0.65 s on
+    2 cores) only to learn whether they are installed, before it starts the raylet; locating them is enough."""
+    try:
+        import ray._private.utils as ray_utils
+
+        original = ray_utils.get_dashboard_dependency_error
+    except Exception:  # pragma: no cover - Ray internals changed: plain ray.init
+        yield
+        return
+    ray_utils.get_dashboard_dependency_error = dashboard_dependency_error
+    try:
+        yield
+    finally:
+        ray_utils.get_dashboard_dependency_error = original
+
+
+# The ports of the two agents the raylet starts, in ``RayParams``.
+_AGENT_PORTS = ("metrics_agent_port", "metrics_export_port", "dashboard_agent_listen_port", "runtime_env_agent_port")
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct ports that are free now and above the kernel's ephemeral range, so that no outgoing
+    connection is given one in the moment before the agent binds it; [] where that range reaches 65535."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            high = int(fh.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return []
+    candidates = list(range(high + 1, 65536))
+    random.shuffle(candidates)
+    ports: list[int] = []
+    for port in candidates[:200]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    return []
+
+
+@contextlib.contextmanager
+def _agent_ports() -> Iterator[None]:
+    """Give the raylet its agents' ports. Given 0, the raylet starts the dashboard and runtime-env agents and
+    blocks until each has bound a port and written it to a file; the dashboard agent imports for about a
+    second first. Given the ports, it goes on registering the node while the agents start."""
+    try:
+        from ray._private import services
+        from ray._private.node import Node
+
+        original_init = Node.__init__
+        original_start = services.start_ray_process
+    except Exception:  # pragma: no cover - Ray internals changed: plain ray.init
+        yield
+        return
+    chosen: dict[str, int] = {}
+
+    def init(self: Any, ray_params: Any, head: bool = False, **kwargs: Any) -> None:
+        if head and not chosen:
+            for name, port in zip(_AGENT_PORTS, _free_ports(len(_AGENT_PORTS))):
+                setattr(ray_params, name, port)
+                chosen[name] = port
+        original_init(self, ray_params, head=head, **kwargs)
+
+    def start_ray_process(command: list[str], process_type: str, *args: Any, **kwargs: Any) -> Any:
+        if process_type == "raylet" and "dashboard_agent_listen_port" in chosen:
+            # ray.init passes the raylet every agent port but this one; without it the raylet still waits
+            command = [*command, f"--dashboard_agent_listen_port={chosen['dashboard_agent_listen_port']}"]
+        return original_start(command, process_type, *args, **kwargs)
+
+    Node.__init__ = init  # type: ignore[method-assign,assignment]
+    services.start_ray_process = start_ray_process
+    try:
+        yield
+    finally:
+        Node.__init__ = original_init  # type: ignore[method-assign]
+        services.start_ray_process = original_start
 
 
 @contextlib.contextmanager

@@ -69,6 +69,26 @@ def test_embedded_ray_runs_actors_without_api_server_or_monitor_and_stops_everyt
         value, path = ray.get(Probe.remote().env.remote(), timeout=60)
         assert value == "seen"
         assert os.getcwd() in path
+        # The raylet was given its agents' ports (so it did not block on their port files) and the agents
+        # bound exactly those: each agent writes the port it bound to the session folder.
+        params = node._ray_params
+        given = {name: getattr(params, name) for name in local_ray._AGENT_PORTS}
+        assert all(isinstance(p, int) and p > 0 for p in given.values()), given
+        with open(f"/proc/{node.all_processes['raylet'][0].process.pid}/cmdline", "rb") as fh:
+            raylet_args = fh.read().split(b"\0")
+        assert f"--dashboard_agent_listen_port={given['dashboard_agent_listen_port']}".encode() in raylet_args
+        assert f"--metrics-agent-port={given['metrics_agent_port']}".encode() in raylet_args
+        session, node_id = node.get_session_dir_path(), node.node_id
+        for name in ("metrics_agent_port", "dashboard_agent_listen_port", "runtime_env_agent_port"):
+            path = os.path.join(session, f"{name}_{node_id}")
+            deadline = time.monotonic() + 30
+            while not os.path.exists(path) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            with open(path) as fh:
+                assert int(fh.read().strip()) == given[name], name
+        # an actor with a runtime_env goes through the runtime-env agent, at the port the raylet was given
+        assert ray.get(Probe.options(runtime_env={"env_vars": {"CLUSTER_PROBE_VAR": "env"}}).remote().env.remote(),
+                       timeout=60)[0] == "env"
         ours = _descendants(os.getpid()) - before
         assert ours  # GCS, raylet, agents, workers
     finally:
