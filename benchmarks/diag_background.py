@@ -6,7 +6,7 @@
 Runs the ``bench_ddp`` workload (2 CPU workers, 48 steps an epoch) for ``--epochs`` epochs in a child
 process, waits ``--delay`` seconds (past startup and the first epoch), then reads every thread's user+system
 ticks (``/proc/PID/task/TID/stat``, 10 ms each) at the start and the end of a ``--window``-second window and
-prints the difference per process, largest first, with the threads of the busiest non-worker processes.
+prints the difference per process, largest first, with the busiest threads of each (up to 8 for a worker).
 
 On a machine whose cores the workers fill, every tick another process takes stalls all ranks: the rank
 that was preempted arrives late at the next all-reduce and the others wait for it. The sum of the ticks
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'ticks':>6} {'pid':>7}  process")
     for (pid, name), ticks in per_proc.most_common():
         tag = "  [worker]" if pid in workers else ""
-        threads = ", ".join(f"{c} {n}" for c, n in per_thread[pid].most_common(3)) if pid not in workers else ""
+        threads = ", ".join(f"{c} {n}" for c, n in per_thread[pid].most_common(3 if pid not in workers else 8))
         print(f"{ticks:6d} {pid:7d}  {name}{tag}" + (f"   ({threads})" if threads and ticks >= 5 else ""))
     own = sum(t for (pid, _), t in per_proc.items() if pid not in workers)
     print(f"not the workers: {own} ticks in {seconds:.0f} s ({own / seconds:.2f} ticks/s); workers: "
