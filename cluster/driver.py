@@ -58,6 +58,7 @@ class WorkerGroup(Protocol):
     def poll(self, timeout: float) -> list[EpochResult] | None: ...
     def progress(self, timeout: float = 2.0) -> list[Any]: ...
     def finish(self) -> list[Any]: ...
+    def spare_ready(self) -> float | None: ...
     def classify(self, exc: BaseException) -> Failure: ...
     def available_for(self, n: int) -> bool: ...
     def salvage(self, failure: Failure, attempt: int) -> Any: ...
@@ -159,6 +160,7 @@ class Driver:
         self._probe_token: str | None = None
         self._streak = 0  # failures since the last completed epoch
         self._salvage: Any = None
+        self._spare_announced = False  # the current group's hot spare was reported ready
 
     # ------------------------------------------------------------------ public
     def run(self) -> Result:
@@ -298,6 +300,7 @@ class Driver:
             setup_s=_phase_max(infos),
             hot_spare=self.group.spare_note,
         )
+        self._spare_announced = False
         if self._recovery is not None:
             self._recovery.update(
                 reserve_s=t_reserved - self._recovery["t_teardown"],
@@ -345,11 +348,22 @@ class Driver:
                 break
             beats = group.progress()
             hung = watch.update(beats)
+            self._announce_spare()
             self._progress.live(watch.max_step, cfg.training.global_batch_size)
             if hung is not None:
                 self._on_failure(Failure("hang", hung[0], hung[1]), watch.max_step)
                 return
         self._epoch_done(results, time.time() - t_epoch)
+
+    def _announce_spare(self) -> None:
+        """One ``spare_ready`` event per group, once its hot spare is prepared: from then on a dead rank is
+        replaced without starting a process. Checked at each heartbeat and each epoch end."""
+        if self._spare_announced or self.group is None:
+            return
+        prepare_s = self.group.spare_ready()
+        if prepare_s is not None:
+            self._spare_announced = True
+            self.events.append("spare_ready", attempt=self.attempt, prepare_s=round(prepare_s, 3))
 
     def _heartbeat_every(self, watch: _Heartbeat) -> float:
         """Seconds between heartbeats: ``poll_s`` for a terminal's live bar, else a twentieth of the hang
@@ -376,6 +390,7 @@ class Driver:
             # written while they train, not in a gap between epochs.
             self.group.run_epoch(next_epoch, 0)
             self._dispatched_at = time.time()
+        self._announce_spare()
         samples_per_s = head.samples / wall_s if wall_s > 0 else 0.0
         epoch_row = {
             "kind": "epoch",

@@ -318,6 +318,13 @@ class RayWorkerGroup:
         self.pg, self.actors = None, []
         return token
 
+    def spare_ready(self) -> float | None:
+        """The seconds the hot spare took to prepare, once it has; None while it prepares or with no spare."""
+        if not self._spare_prepared():
+            return None
+        assert self._spare_ready is not None
+        return float(ray.get(self._spare_ready))
+
     def _spare_prepared(self) -> bool:
         if self.spare is None or self._spare_ready is None:
             return False

@@ -84,6 +84,13 @@ def kill_when(run_url: str, ready: Callable[[], bool], rank: int, delay: float =
     return t
 
 
+def spare_is_ready(run_url: str) -> bool:
+    try:
+        return bool(events(run_url, "spare_ready"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
+
+
 def committed(run_url: str, step: int) -> bool:
     return os.path.exists(f"{run_url}/checkpoints/step_{step:09d}/manifest.json")
 
@@ -203,15 +210,20 @@ def test_resources_that_never_appear_are_a_clear_error(tmp_path: object, ray_loc
 def test_hot_spare_replaces_a_killed_worker(reference: dict, tmp_path: object) -> None:
     storage = f"{tmp_path}/runs"
     run_url = f"{storage}/spare"
-    # slower steps, so the spare (started with the group) is prepared before the kill
-    killer = kill_when(run_url, lambda: committed(run_url, 25), rank=1, delay=0.2)
+    # The kill waits for the driver's report that the spare (started with the group) is prepared. Sleepy steps
+    # leave it the CPU for its torch import (which on 2 cores competes with both training workers) and keep the
+    # run going well past it; a 20 s hang timeout makes the heartbeat, where readiness is checked, 1 s.
+    killer = kill_when(run_url, lambda: committed(run_url, 25) and spare_is_ready(run_url), rank=1, delay=0.2)
     cfg = load_config(
         "jobs/configs/tiny_cpu.yaml",
-        overrides(storage, "spare", "failures.hot_spare=true", "task_args.step_sleep_s=0.15"),
+        overrides(storage, "spare", "failures.hot_spare=true", "task_args.step_sleep_s=0.3",
+                  "failures.hang_timeout_s=20"),
     )
     result = train(cfg, out=io.StringIO())
     killer.join(1)
     assert result.status == "finished" and result.attempts == 2
+    (ready,) = events(run_url, "spare_ready")
+    assert ready["attempt"] == 0 and ready["prepare_s"] > 0
     (recovered,) = events(run_url, "recovered")
     assert recovered["reused_workers"] == 2  # the survivor and the spare: no process was started
     assert_bitwise_equal(final_model(run_url), reference)

@@ -75,6 +75,9 @@ class ScriptedGroup:
         self.calls.append("finish")
         return []
 
+    def spare_ready(self) -> float | None:
+        return None
+
     def classify(self, exc: BaseException) -> Failure:
         kind, _, rest = str(exc).partition(":")
         err = WorkerError(1, 3, "RuntimeError", rest, "Traceback: boom") if kind == "user_error" else None
@@ -225,3 +228,20 @@ def test_policy_backoff_doubles_and_is_capped() -> None:
     assert delays == [0.0, 1.0, 2.0, 4.0, 5.0]
     # progress in between (an epoch completed) makes the next restart immediate again
     assert policy.decide(hist[-1], hist, streak=1).delay_s == 0.0
+
+
+def test_spare_ready_is_reported_once_per_group() -> None:
+    driver, _ = make({0: ["busy", "busy", "busy"]})
+    answers = iter([None, 1.25])
+    original_factory = driver.group_factory
+
+    def factory(cfg: JobConfig, url: str, attempt: int) -> Any:
+        group = original_factory(cfg, url, attempt)
+        group.spare_ready = lambda: next(answers, 9.0)  # type: ignore[method-assign]
+        return group
+
+    driver.group_factory = factory
+    assert driver.run().status == "finished"
+    ready = [e for e in driver.events.records() if e["event"] == "spare_ready"]
+    # not while preparing, then once with its time; never again for the same group
+    assert [(e["attempt"], e["prepare_s"]) for e in ready] == [(0, 1.25)]
