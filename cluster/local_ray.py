@@ -42,6 +42,7 @@ autoscaler monitor (one machine has nothing to autoscale), which brings those 14
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
 import os
 import random
@@ -172,26 +173,37 @@ def _fast_node_registration() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _no_api_server() -> Iterator[None]:
+def _replaced(module: str, path: str, make: Callable[[Any], Any]) -> Iterator[None]:
+    """Inside: ``module.path`` (e.g. ``Node.start_monitor``) is ``make(original)``; restored on the way out.
+    Where Ray's internals differ (no such module or attribute), nothing is replaced: plain ``ray.init``."""
     try:
-        from ray._private.node import Node
-
-        original = Node.start_api_server
-    except Exception:  # pragma: no cover - Ray internals changed: plain ray.init
+        owner: Any = importlib.import_module(module)
+        *parents, name = path.split(".")
+        for part in parents:
+            owner = getattr(owner, part)
+        original = getattr(owner, name)
+        replacement = make(original)
+    except Exception:  # pragma: no cover - Ray internals changed
         yield
         return
-
-    def start_api_server(self: Any, *, include_dashboard: bool | None, raise_on_failure: bool) -> None:
-        if include_dashboard is False:
-            self._webui_url = ""  # no dashboard: nothing to serve, nothing to wait for
-            return
-        original(self, include_dashboard=include_dashboard, raise_on_failure=raise_on_failure)
-
-    Node.start_api_server = start_api_server  # type: ignore[method-assign]
+    setattr(owner, name, replacement)
     try:
         yield
     finally:
-        Node.start_api_server = original  # type: ignore[method-assign]
+        setattr(owner, name, original)
+
+
+def _no_api_server() -> contextlib.AbstractContextManager[None]:
+    def make(original: Callable[..., None]) -> Callable[..., None]:
+        def start_api_server(self: Any, *, include_dashboard: bool | None, raise_on_failure: bool) -> None:
+            if include_dashboard is False:
+                self._webui_url = ""  # no dashboard: nothing to serve, nothing to wait for
+                return
+            original(self, include_dashboard=include_dashboard, raise_on_failure=raise_on_failure)
+
+        return start_api_server
+
+    return _replaced("ray._private.node", "Node.start_api_server", make)
 
 
 # What ``ray.dashboard.optional_deps`` imports to learn whether the dashboard agent can run in full.
@@ -211,22 +223,10 @@ def dashboard_dependency_error() -> ImportError | None:
     return None
 
 
-@contextlib.contextmanager
-def _cheap_dependency_check() -> Iterator[None]:
+def _cheap_dependency_check() -> contextlib.AbstractContextManager[None]:
     """``ray.init`` imports the dashboard's dependencies in the driver (aiohttp, OpenTelemetry, ...: 0.65 s on
     2 cores) only to learn whether they are installed, before it starts the raylet; locating them is enough."""
-    try:
-        import ray._private.utils as ray_utils
-
-        original = ray_utils.get_dashboard_dependency_error
-    except Exception:  # pragma: no cover - Ray internals changed: plain ray.init
-        yield
-        return
-    ray_utils.get_dashboard_dependency_error = dashboard_dependency_error
-    try:
-        yield
-    finally:
-        ray_utils.get_dashboard_dependency_error = original
+    return _replaced("ray._private.utils", "get_dashboard_dependency_error", lambda _: dashboard_dependency_error)
 
 
 # The ports of the two agents the raylet starts, in ``RayParams``.
@@ -261,57 +261,39 @@ def _agent_ports() -> Iterator[None]:
     """Give the raylet its agents' ports. Given 0, the raylet starts the dashboard and runtime-env agents and
     blocks until each has bound a port and written it to a file; the dashboard agent imports for about a
     second first. Given the ports, it goes on registering the node while the agents start."""
-    try:
-        from ray._private import services
-        from ray._private.node import Node
-
-        original_init = Node.__init__
-        original_start = services.start_ray_process
-    except Exception:  # pragma: no cover - Ray internals changed: plain ray.init
-        yield
-        return
     chosen: dict[str, int] = {}
 
-    def init(self: Any, ray_params: Any, head: bool = False, **kwargs: Any) -> None:
-        if head and not chosen:
-            for name, port in zip(_AGENT_PORTS, _free_ports(len(_AGENT_PORTS))):
-                setattr(ray_params, name, port)
-                chosen[name] = port
-        original_init(self, ray_params, head=head, **kwargs)
+    def make_init(original: Callable[..., None]) -> Callable[..., None]:
+        def init(self: Any, ray_params: Any, head: bool = False, **kwargs: Any) -> None:
+            if head and not chosen:
+                for name, port in zip(_AGENT_PORTS, _free_ports(len(_AGENT_PORTS))):
+                    setattr(ray_params, name, port)
+                    chosen[name] = port
+            original(self, ray_params, head=head, **kwargs)
 
-    def start_ray_process(command: list[str], process_type: str, *args: Any, **kwargs: Any) -> Any:
-        if process_type == "raylet" and "dashboard_agent_listen_port" in chosen:
-            # ray.init passes the raylet every agent port but this one; without it the raylet still waits
-            command = [*command, f"--dashboard_agent_listen_port={chosen['dashboard_agent_listen_port']}"]
-        return original_start(command, process_type, *args, **kwargs)
+        return init
 
-    Node.__init__ = init  # type: ignore[method-assign,assignment]
-    services.start_ray_process = start_ray_process
-    try:
+    def make_start(original: Callable[..., Any]) -> Callable[..., Any]:
+        def start_ray_process(command: list[str], process_type: str, *args: Any, **kwargs: Any) -> Any:
+            if process_type == "raylet" and "dashboard_agent_listen_port" in chosen:
+                # ray.init passes the raylet every agent port but this one; without it the raylet still waits
+                command = [*command, f"--dashboard_agent_listen_port={chosen['dashboard_agent_listen_port']}"]
+            return original(command, process_type, *args, **kwargs)
+
+        return start_ray_process
+
+    with (
+        _replaced("ray._private.node", "Node.__init__", make_init),
+        _replaced("ray._private.services", "start_ray_process", make_start),
+    ):
         yield
-    finally:
-        Node.__init__ = original_init  # type: ignore[method-assign]
-        services.start_ray_process = original_start
 
 
-@contextlib.contextmanager
-def _no_monitor() -> Iterator[None]:
-    try:
-        from ray._private.node import Node
-
-        original = Node.start_monitor
-    except Exception:  # pragma: no cover - Ray internals changed: plain ray.init
-        yield
-        return
-
+def _no_monitor() -> contextlib.AbstractContextManager[None]:
     def start_monitor(self: Any) -> None:
         """No autoscaler monitor: one machine has nothing to autoscale (as ``ray start --no-monitor``)."""
 
-    Node.start_monitor = start_monitor  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        Node.start_monitor = original  # type: ignore[method-assign]
+    return _replaced("ray._private.node", "Node.start_monitor", lambda _: start_monitor)
 
 
 @contextlib.contextmanager
