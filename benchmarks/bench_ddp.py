@@ -191,6 +191,7 @@ def child_product(spec: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "status": result.status, "steps": result.global_step, "loss": result.metrics.get("loss"),
         "steps_per_epoch": spe,
+        "t0": t0, "t_end": t_end,
         "total_s": t_end - t0,
         "first_step_s": first - t0 if first else None,
         "teardown_s": t_end - last,
@@ -291,6 +292,7 @@ def _loop_result(spec: dict[str, Any], t0: float, t_end: float, extra: dict[str,
         "status": "finished" if step_times.get(spe * spec["epochs"]) else "incomplete",
         "steps": max(step_times) if step_times else 0,
         "steps_per_epoch": spe,
+        "t0": t0, "t_end": t_end,
         "total_s": t_end - t0,
         "first_step_s": first - t0 if first else None,
         "teardown_s": t_end - last if last else None,
@@ -325,6 +327,27 @@ def _steps_per_epoch(task_args: dict[str, Any], batch: int) -> int:
     return n // batch
 
 
+def make_spec(work: str, *, fault: bool = False, kill_step: int = 0, epochs: int = 4, ckpt_every: int = 25,
+              steps_per_epoch: int, product_set: list[str] | None = None, head: Any = None,
+              task: str = "jobs.tasks.charlm:CharLMTask", task_args: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The spec one arm's child runs: the fixed workload, with its scratch paths under ``work``."""
+    spec: dict[str, Any] = {
+        "task": "benchmarks.faults:KillableCharLM" if fault else task,
+        "task_args": {**TASK_ARGS, **(task_args or {})}, "seed": 0, "global_batch": 64, "epochs": epochs,
+        "ckpt_every_steps": ckpt_every, "steps_per_epoch": steps_per_epoch,
+        "storage": os.path.join(work, "runs"), "ckpt_dir": os.path.join(work, "ckpt"),
+        "steplog": os.path.join(work, "steps.log"), "ray_tmp": os.path.join(work, "r"),
+        "kill_step": kill_step if fault else 0,
+        "kill_file": os.path.join(work, "killed") if fault else "",
+        "product_set": list(product_set or []),
+        "ray_address": head.address if head else "",
+        "ray_head_tmp": head.temp_dir if head else "",
+    }
+    if fault:
+        spec["task_args"].update(kill_step=kill_step, kill_rank=1, kill_file=spec["kill_file"])
+    return spec
+
+
 def _sweep(tag: str) -> list[int]:
     """PIDs of leftover processes whose command line names our private temp dir (ours, by construction)."""
     found = []
@@ -344,28 +367,32 @@ def _sweep(tag: str) -> list[int]:
     return found
 
 
-def run_arm(arm: str, spec: dict[str, Any], work: str, timeout_s: float) -> dict[str, Any]:
-    spec_path = os.path.join(work, "spec.json")
-    out_path = os.path.join(work, "result.json")
-    with open(spec_path, "w") as fh:
-        json.dump(spec, fh)
+def _child_env(arm: str, spec: dict[str, Any]) -> dict[str, str]:
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_TMPDIR=spec["ray_tmp"], RAY_TRAIN_V2_ENABLED="1",
                PYTHONPATH=os.pathsep.join(p for p in [REPO, os.environ.get("PYTHONPATH", "")] if p),
                RAY_USAGE_STATS_ENABLED="0", BENCH_TAG=spec["ray_tmp"])
     env.pop("RAY_ADDRESS", None)  # the product arm starts its own embedded Ray...
     if spec.get("ray_address") and arm != "bare":
         env["RAY_ADDRESS"] = spec["ray_address"]  # ...unless --ray-cluster gave it one to connect to
-    log_path = os.path.join(work, "child.log")
-    cmd = [sys.executable, "-m", "benchmarks.bench_ddp", "--child", arm, "--spec", spec_path, "--out", out_path]
-    t = time.time()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the group we created for this child
-            proc.wait()
-            rc = -9
+    return env
+
+
+def launch_arm(arm: str, spec: dict[str, Any], work: str,
+               preexec_fn: Any = None) -> subprocess.Popen[bytes]:
+    """Start one arm's child process (its own session, output to ``work/child.log``); it writes
+    ``work/result.json`` when it is done. ``preexec_fn`` runs in the child before it execs."""
+    with open(os.path.join(work, "spec.json"), "w") as fh:
+        json.dump(spec, fh)
+    cmd = [sys.executable, "-m", "benchmarks.bench_ddp", "--child", arm, "--spec", os.path.join(work, "spec.json"),
+           "--out", os.path.join(work, "result.json")]
+    with open(os.path.join(work, "child.log"), "w") as log:
+        return subprocess.Popen(cmd, cwd=REPO, env=_child_env(arm, spec), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=preexec_fn)
+
+
+def collect_arm(arm: str, spec: dict[str, Any], work: str, rc: int, wall_s: float) -> dict[str, Any]:
+    """After the child exited (or was killed: ``rc`` -9): kill its leftovers, read its result."""
+    out_path = os.path.join(work, "result.json")
     leftovers = _sweep(spec["ray_tmp"])
     for pid in leftovers:
         with contextlib.suppress(OSError):
@@ -373,15 +400,27 @@ def run_arm(arm: str, spec: dict[str, Any], work: str, timeout_s: float) -> dict
     if spec.get("ray_address"):
         _wait_workers_gone(spec["ray_head_tmp"])
     if rc != 0 or not os.path.exists(out_path):
-        with open(log_path) as fh:
+        with open(os.path.join(work, "child.log")) as fh:
             tail = fh.read()[-3000:]
-        return {"arm": arm, "error": f"exit {rc} after {time.time() - t:.0f}s; log tail:\n{tail}",
+        return {"arm": arm, "error": f"exit {rc} after {wall_s:.0f}s; log tail:\n{tail}",
                 "leftover_pids_killed": leftovers}
     with open(out_path) as fh:
         res: dict[str, Any] = json.load(fh)
     res["leftover_pids_killed"] = leftovers
-    res["child_wall_s"] = time.time() - t
+    res["child_wall_s"] = wall_s
     return res
+
+
+def run_arm(arm: str, spec: dict[str, Any], work: str, timeout_s: float) -> dict[str, Any]:
+    t = time.time()
+    proc = launch_arm(arm, spec, work)
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the group we created for this child
+        proc.wait()
+        rc = -9
+    return collect_arm(arm, spec, work, rc, time.time() - t)
 
 
 class RayHead:
@@ -596,20 +635,8 @@ def main(argv: list[str] | None = None) -> int:
             for arm in order:
                 work = os.path.join(scratch, f"{rep}{arm[0]}")
                 os.makedirs(work)
-                spec: dict[str, Any] = {
-                    "task": "benchmarks.faults:KillableCharLM" if args.fault else "jobs.tasks.charlm:CharLMTask",
-                    "task_args": dict(TASK_ARGS), "seed": 0, "global_batch": 64, "epochs": args.epochs,
-                    "ckpt_every_steps": every, "steps_per_epoch": spe,
-                    "storage": os.path.join(work, "runs"), "ckpt_dir": os.path.join(work, "ckpt"),
-                    "steplog": os.path.join(work, "steps.log"), "ray_tmp": os.path.join(work, "r"),
-                    "kill_step": args.kill_step if args.fault else 0,
-                    "kill_file": os.path.join(work, "killed") if args.fault else "",
-                    "product_set": list(args.product_set),
-                    "ray_address": head.address if head else "",
-                    "ray_head_tmp": head.temp_dir if head else "",
-                }
-                if args.fault:
-                    spec["task_args"].update(kill_step=args.kill_step, kill_rank=1, kill_file=spec["kill_file"])
+                spec = make_spec(work, fault=args.fault, kill_step=args.kill_step, epochs=args.epochs,
+                                 ckpt_every=every, steps_per_epoch=spe, product_set=args.product_set, head=head)
                 print(f"[repeat {rep + 1}/{args.repeats}] {arm} ...", flush=True)
                 res = run_arm(arm, spec, work, args.timeout)
                 res["repeat"] = rep

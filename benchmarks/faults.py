@@ -1,4 +1,5 @@
-"""The fault used by ``bench_ddp --fault``: the same for all three arms, so the kill point is identical.
+"""The fault used by ``bench_ddp --fault`` (the same for all three arms, so the kill point is identical),
+and the known slowdown ``bench_interleaved`` uses to check its own resolution.
 
 ``KillableCharLM`` is ``CharLMTask`` whose ``compute_loss`` SIGKILLs rank ``kill_rank`` right before the
 forward pass of global step ``kill_step`` (like ``CLUSTER_INJECT_FAULT=1:STEP:crash``), after writing the
@@ -38,4 +39,13 @@ class KillableCharLM(CharLMTask):
                     fh.write(f"{time.time():.6f} {os.getpid()} {kill_step}\n")
                 os.replace(kill_file + ".tmp", kill_file)
                 os.kill(os.getpid(), signal.SIGKILL)
+        return super().compute_loss(model, batch)
+
+
+class SlowCharLM(CharLMTask):
+    """CharLMTask whose every step is ``step_delay_ms`` longer (a sleep before the forward pass, on every
+    rank): a slowdown of known size, to check that a benchmark resolves an effect that small."""
+
+    def compute_loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        time.sleep(float(self.args.get("step_delay_ms", 0.0)) / 1000.0)
         return super().compute_loss(model, batch)
