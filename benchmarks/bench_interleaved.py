@@ -154,6 +154,33 @@ def epoch_active_times(ends: list[float | None], intervals: list[Interval], unti
     return out
 
 
+def cpu_ticks(pids: list[int]) -> dict[int, tuple[str, int]]:
+    """pid -> (name, user + system clock ticks) for each process still there."""
+    out = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                raw = fh.read()
+        except OSError:
+            continue
+        fields = raw.rsplit(") ", 1)[1].split()
+        out[pid] = (raw[raw.index("(") + 1 : raw.rindex(")")], int(fields[11]) + int(fields[12]))
+    return out
+
+
+def cpu_between(samples: list[tuple[float, dict[int, tuple[str, int]]]], a: float, b: float) -> dict[str, float]:
+    """CPU seconds each process used between the samples last taken before ``a`` and before ``b``, as
+    ``workers`` (the two busiest processes: the ranks) and ``rest`` (everything else of the arm)."""
+    before_a = [s for t, s in samples if t <= a]
+    before_b = [s for t, s in samples if t <= b]
+    if not before_a or not before_b:
+        return {}
+    sa, sb = before_a[-1], before_b[-1]
+    hz = os.sysconf("SC_CLK_TCK")
+    used = sorted(((tb - sa.get(pid, (name, 0))[1]) / hz for pid, (name, tb) in sb.items()), reverse=True)
+    return {"workers": sum(used[:2]), "rest": sum(used[2:])}
+
+
 def mean_se(values: list[float]) -> tuple[float, float]:
     m = statistics.fmean(values)
     se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan")
@@ -169,6 +196,7 @@ def run_repeat(labels: list[str], specs: dict[str, dict[str, Any]], works: dict[
     started: dict[str, float] = {}
     exited: dict[str, float] = {}
     rcs: dict[str, int] = {}
+    cpu: dict[str, list[tuple[float, dict[int, tuple[str, int]]]]] = {lab: [] for lab in labels}
     t_start = time.time()
     try:
         for lab in labels:  # start each arm, then freeze it at once: nothing of it has run yet but Python start
@@ -195,6 +223,7 @@ def run_repeat(labels: list[str], specs: dict[str, dict[str, Any]], works: dict[
                     pass
                 fz.freeze()
                 intervals[lab].append((t_on, time.time()))
+                cpu[lab].append((time.time(), cpu_ticks(fz.pids())))  # frozen: the counts hold still
                 if lab in exited:
                     print(f"  {lab} finished: {exited[lab] - t_start:.0f}s wall, "
                           f"{active_between(intervals[lab], t_start, exited[lab]):.1f}s active", flush=True)
@@ -225,8 +254,13 @@ def run_repeat(labels: list[str], specs: dict[str, dict[str, Any]], works: dict[
         if lab in epochs_of:
             iv, epochs = intervals[lab], epochs_of[lab]
             t0, t_end = float(res["t0"]), float(res["t_end"])
+            ends = res.get("epoch_end_times", [])
+            window = (ends[0], ends[common]) if common and ends[0] and ends[common] else None
+            steps = common * int(res.get("steps_per_epoch") or 0)
+            cpu_s = cpu_between(cpu[lab], *window) if window else {}
             res["interleaved"] = {
                 "epoch_active_s": epochs,
+                "cpu_ms_per_step": {k: 1000 * v / steps for k, v in cpu_s.items()} if steps else {},
                 "epoch_mean_s": statistics.fmean(epochs[:common]) if common else None,
                 "epoch_median_s": statistics.median(epochs[:common]) if common else None,
                 "first_step_active_s": active_between(iv, t0, t0 + res["first_step_s"]) if res["first_step_s"]
