@@ -298,8 +298,11 @@ def summarize(repeats: list[dict[str, Any]], labels: list[str]) -> dict[str, Any
     per_arm: dict[str, Any] = {}
     ratios: dict[str, Any] = {}
     for lab in labels:
-        per_arm[lab] = {"epoch_mean_s": [rep["arms"].get(lab, {}).get("interleaved", {}).get("epoch_mean_s")
-                                         for rep in repeats]}
+        ils = [rep["arms"].get(lab, {}).get("interleaved", {}) for rep in repeats]
+        cpus = [il["cpu_ms_per_step"] for il in ils if il.get("cpu_ms_per_step")]
+        per_arm[lab] = {"epoch_mean_s": [il.get("epoch_mean_s") for il in ils],
+                        "cpu_ms_per_step": {k: statistics.median(c[k] for c in cpus) for k in ("workers", "rest")}
+                        if cpus else {}}
         if lab == base:
             continue
         rs = _ratios(repeats, lab, base, "epoch_mean_s")
@@ -316,6 +319,11 @@ def print_summary(summary: dict[str, Any]) -> None:
     print("\nsteady-state epoch: mean active seconds over the epochs all arms ran sliced, per repeat:")
     for lab, a in summary["per_arm"].items():
         print(f"  {lab:12} " + " ".join("-" if v is None else f"{v:.3f}" for v in a["epoch_mean_s"]))
+    print("CPU per step over those epochs, median over repeats (ranks = the two busiest processes; rest = the "
+          "arm's other processes):")
+    for lab, a in summary["per_arm"].items():
+        if a.get("cpu_ms_per_step"):
+            print(f"  {lab:12} ranks {a['cpu_ms_per_step']['workers']:.1f} ms, rest {a['cpu_ms_per_step']['rest']:.2f} ms")
     for name, r in summary["epoch_ratios"].items():
         print(f"\n{name}: per repeat " + " ".join(f"{v:.4f}" for v in r["per_repeat"])
               + "   (median-epoch ratio: " + " ".join(f"{v:.4f}" for v in r["median_epoch_ratio_per_repeat"]) + ")")
@@ -385,7 +393,9 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     il = a["interleaved"]
                     mean = "-" if il["epoch_mean_s"] is None else f"{il['epoch_mean_s']:.3f}s"
-                    print(f"  {lab:12} epoch {mean} active (mean of {res['common_epochs']} epochs), first step "
+                    cpu = il["cpu_ms_per_step"]
+                    cpu_txt = f", CPU/step: ranks {cpu['workers']:.1f} ms, rest {cpu['rest']:.2f} ms" if cpu else ""
+                    print(f"  {lab:12} epoch {mean} active (mean of {res['common_epochs']} epochs){cpu_txt}, first step "
                           f"{il['first_step_active_s']:.2f}s, "
                           f"total {il['total_active_s']:.2f}s active / {il['wall_s']:.1f}s wall", flush=True)
     finally:
