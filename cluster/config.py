@@ -51,6 +51,13 @@ class ScalingConfig:
     """Network interface for gloo/NCCL traffic (sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME in workers)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for every worker process."""
+    worker_niceness: int | None = 0
+    """Scheduling niceness of the training processes (-20..19; lower runs first). Ray starts its worker
+    processes at 15, below its own daemons and every other process, so on a node whose cores the ranks fill
+    each of those wakeups stalls the whole gang; 0 trains at normal priority. A value below the current one
+    needs CAP_SYS_NICE (root in most containers): the embedded Ray starts its workers at 0 so it needs none; on
+    a cluster, start Ray with ``RAY_worker_niceness=0`` or the driver warns that the workers stayed at 15.
+    null keeps Ray's."""
     tune_allocator: bool = True
     """Keep glibc's allocator from returning freed memory to the kernel after every step (``mallopt``: mmap
     threshold 256 MiB, trim threshold 1 GiB, top pad 64 MiB), so the next step does not fault it back in
@@ -355,6 +362,10 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"scaling.cpus_per_worker={s.cpus_per_worker} must be positive")
     if s.resource_wait_s <= 0:
         raise ConfigError(f"scaling.resource_wait_s={s.resource_wait_s} must be positive")
+    if s.worker_niceness is not None and not -20 <= s.worker_niceness <= 19:
+        raise ConfigError(
+            f"scaling.worker_niceness={s.worker_niceness} is not a niceness; use -20..19 (0: normal priority) or null"
+        )
     for k, v in s.resources_per_worker.items():
         if v < 0:
             raise ConfigError(f"scaling.resources_per_worker.{k}={v} must not be negative")

@@ -61,6 +61,9 @@ _SYSTEM_CONFIG: dict[str, Any] = {
     # The raylet's OOM guard reads the memory of every process 4 times a second (Ray's 250 ms): a fifth of
     # the raylet's CPU while the workers train. Once a second still stops a runaway worker in time.
     "memory_monitor_refresh_ms": 1000,
+    # Ray starts worker processes at niceness 15, below its daemons; the training ranks should not yield to
+    # them (scaling.worker_niceness). Lowering niceness later needs CAP_SYS_NICE; starting at 0 needs nothing.
+    "worker_niceness": 0,
     # The raylet connects to its own object store (started on another thread a moment earlier) and every
     # worker to the raylet over a Unix socket; a socket not yet listening is retried after this many ms.
     # Ray's 1000 ms made one start in four on a loaded 2-core machine wait a full second (raylet log:

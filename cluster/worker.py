@@ -60,6 +60,8 @@ class SetupInfo:
     """The Ray node the rank runs on (filled in by the Ray worker group)."""
     allocator: str = "system"
     """``tuned`` where scaling.tune_allocator took effect, else ``system`` or why not."""
+    niceness: str = ""
+    """The rank's scheduling niceness after scaling.worker_niceness, or why it could not be set."""
 
 
 @dataclass
@@ -110,6 +112,7 @@ class Worker:
         threads = max(1, int(cfg.scaling.cpus_per_worker))
         torch.set_num_threads(threads)
         self.allocator = tune_allocator() if cfg.scaling.tune_allocator else "system"
+        self.niceness = set_niceness(cfg.scaling.worker_niceness)
 
     def _faults(self) -> list[FaultSpec]:
         faults = list(self.cfg.failures.inject)
@@ -183,6 +186,7 @@ class Worker:
             skipped_checkpoints=skipped,
             timings=t,
             allocator=self.allocator,
+            niceness=set_niceness(self.cfg.scaling.worker_niceness),  # again: the group made its threads
         )
 
     def _resume(self) -> tuple[ResumePoint, list[tuple[int, str]]]:
@@ -227,6 +231,7 @@ class Worker:
 
     def _run_epoch(self, epoch: int, start_step: int) -> EpochResult:
         tcfg = self.cfg.training
+        set_niceness(self.cfg.scaling.worker_niceness)  # threads Ray started since (a few syscalls)
         self.sampler.set_epoch(epoch, start_step)
         self.epoch, self.step_in_epoch = epoch, start_step
         self.model.train()
@@ -437,6 +442,37 @@ class _CrashingStore(CheckpointStore):
                 self.storage.write_bytes(f"{step_dir(step)}/{name}", data)
             os.kill(os.getpid(), signal.SIGKILL)
         return super().commit(step, files, meta)
+
+
+def set_niceness(value: int | None) -> str:
+    """Give every thread of this process niceness ``value`` (scaling.worker_niceness); returns the outcome.
+
+    Ray starts worker processes at niceness 15 (``RAY_worker_niceness``), so its raylet, GCS, agents and any
+    other process on the node preempt a training rank whenever they wake, and the other ranks wait for it at
+    the next all-reduce. Linux keeps niceness per thread and a new thread inherits its creator's, so all of
+    ``/proc/self/task`` is set (again after the process group made its threads). Lowering niceness needs
+    CAP_SYS_NICE; without it the ranks stay where Ray put them and the result says what to set.
+    """
+    if value is None:
+        return "ray's"
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]  # no /proc (macOS): the whole process
+    denied = False
+    for tid in tids:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) != value:
+                os.setpriority(os.PRIO_PROCESS, tid, value)
+        except PermissionError:
+            denied = True
+        except OSError:
+            continue  # the thread exited meanwhile
+    now = os.getpriority(os.PRIO_PROCESS, 0)
+    if denied:
+        return (f"{now} (not permitted to set scaling.worker_niceness={value}: start Ray with "
+                f"RAY_worker_niceness={value}, or give the workers CAP_SYS_NICE)")
+    return str(now)
 
 
 # glibc ``mallopt`` parameters (malloc.h)

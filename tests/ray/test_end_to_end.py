@@ -56,6 +56,7 @@ def test_tiny_job_trains_checkpoints_and_resumes(ray_local: None, tiny_overrides
     # failures.hot_spare=auto: this Ray has 4 CPUs and the job uses 2, so a spare is kept
     assert all(e["hot_spare"] == "preparing" for e in started)
     assert all(e["allocator"] == ["tuned"] for e in started)  # scaling.tune_allocator took effect in every rank
+    assert all(e["niceness"] == ["0"] for e in started)  # not Ray's 15, and no privilege needed for it
     assert [e["epoch"] for e in ev if e["event"] == "epoch_end"] == [0, 1, 2]
 
     # everything done: says so, trains nothing

@@ -24,6 +24,7 @@ BAD = [
     (["scaling.use_gpu=maybe"], "scaling.use_gpu must be true or false"),
     (["scaling.placement_strategy=RANDOM"], "choose one of 'PACK'"),
     (["scaling.cpus_per_worker=0"], "scaling.cpus_per_worker=0.0 must be positive"),
+    (["scaling.worker_niceness=20"], "scaling.worker_niceness=20 is not a niceness; use -20..19"),
     (["training.amp=fp8"], "training.amp='fp8' is not allowed"),
     (["training.grad_clip=-1"], "training.grad_clip=-1.0 must be positive"),
     (["checkpoint.keep_last=0"], "checkpoint.keep_last=0 must be at least 1"),

@@ -17,6 +17,7 @@ def test_defaults_when_the_user_set_nothing() -> None:
     assert cfg["task_events_report_interval_ms"] == 0
     assert cfg["enable_metrics_collection"] is False
     assert cfg["memory_monitor_refresh_ms"] == 1000  # the OOM guard stays on, at a lower rate
+    assert cfg["worker_niceness"] == 0  # Ray's 15 would put the training ranks below every daemon
 
 
 def test_a_user_setting_drops_the_embedded_default_and_its_partners() -> None:
