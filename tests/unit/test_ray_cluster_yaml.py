@@ -85,6 +85,7 @@ def test_dashboard_is_local_only_and_token_auth_is_on_everywhere() -> None:
         assert "RAY_AUTH_MODE=token" in commands
         assert "RAY_AUTH_MODE=disabled" not in commands
         assert "RAY_AUTH_TOKEN_PATH=$HOME/.ray/auth_token" in commands
+        assert "RAY_worker_niceness=0" in commands  # the ranks train at normal priority without privileges
     # The token reaches every node (file_mounts go to the head and every worker) at Ray's default path.
     remote, local = next(iter(cfg["file_mounts"].items()))
     assert remote.endswith("/.ray/auth_token")
