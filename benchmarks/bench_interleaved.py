@@ -275,6 +275,10 @@ def run_repeat(labels: list[str], specs: dict[str, dict[str, Any]], works: dict[
     return out
 
 
+def _terminated(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _label_arms(arms: list[str]) -> list[str]:
     seen: dict[str, int] = {}
     labels = []
@@ -365,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--slice must be > 0 and --epochs >= 3")
     labels = _label_arms(arms)
     spe = _steps_per_epoch(TASK_ARGS, 64)
+    # `kill`/`timeout` send SIGTERM: unwind through the finally blocks, which thaw and kill every arm (a
+    # frozen process cannot act on a signal, so without this they would stay frozen forever).
+    signal.signal(signal.SIGTERM, _terminated)
     scratch = tempfile.mkdtemp(prefix="bint", dir="/tmp")  # short: Ray's socket paths live under it
     tag = os.path.basename(scratch)
     repeats: list[dict[str, Any]] = []
