@@ -371,6 +371,7 @@ def _child_env(arm: str, spec: dict[str, Any]) -> dict[str, str]:
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_TMPDIR=spec["ray_tmp"], RAY_TRAIN_V2_ENABLED="1",
                PYTHONPATH=os.pathsep.join(p for p in [REPO, os.environ.get("PYTHONPATH", "")] if p),
                RAY_USAGE_STATS_ENABLED="0", BENCH_TAG=spec["ray_tmp"])
+    env.update(spec.get("env") or {})  # an arm variant's own variables (bench_interleaved)
     env.pop("RAY_ADDRESS", None)  # the product arm starts its own embedded Ray...
     if spec.get("ray_address") and arm != "bare":
         env["RAY_ADDRESS"] = spec["ray_address"]  # ...unless --ray-cluster gave it one to connect to

@@ -29,7 +29,8 @@ Arms: ``product`` (cluster.train on an embedded Ray), ``bare`` (torch.multiproce
 forward pass). An arm may be named twice (``bare,bare``: an A/A check whose ratio must come out 1.00), and
 ``bare,bare_slow`` checks that the method resolves a slowdown of known size. Like-for-like variants:
 ``bare_tuned`` (the bare loop with the product's allocator tuning, ``cluster.worker.tune_allocator``),
-``product_system`` (the product with ``scaling.tune_allocator=false``) and ``bare_thread`` (the bare loop
+``product_system`` (the product with ``scaling.tune_allocator=false``), ``product_nice15`` (the ranks at
+Ray's default niceness 15: ``scaling.worker_niceness=null``, ``RAY_worker_niceness=15``) and ``bare_thread`` (the bare loop
 on a second thread, as the product's actor runs it). The workload is bench_ddp's
 (charlm, 2 CPU workers, global batch 64, 48 steps per epoch, checkpoint every 25 steps and every epoch).
 
@@ -58,7 +59,7 @@ from typing import Any
 
 from benchmarks.bench_ddp import TASK_ARGS, _steps_per_epoch, collect_arm, launch_arm, make_spec
 
-ARMS = ("product", "bare", "raytrain", "bare_slow", "bare_thread", "bare_tuned", "product_system")
+ARMS = ("product", "bare", "raytrain", "bare_slow", "bare_thread", "bare_tuned", "product_system", "product_nice15")
 TARGET_EPOCH = 1.02
 
 Interval = tuple[float, float]
@@ -350,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arms", default="product,bare", help=f"comma list from {ARMS}; an arm may repeat")
     p.add_argument("--epochs", type=int, default=12)
     p.add_argument("--slice", type=float, default=0.1, help="seconds each arm runs before the next is thawed")
+    p.add_argument("--ckpt-every", type=int, default=25,
+                   help="checkpoint every N steps in every arm (and at every epoch end); a large N leaves epoch ends only")
     p.add_argument("--slow-ms", type=float, default=1.2, help="extra milliseconds per step of the bare_slow arm")
     p.add_argument("--timeout", type=float, default=900, help="seconds per repeat before everything is killed")
     p.add_argument("--json", help="write every repeat and the summary to this file")
@@ -387,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                 arm = lab.split("#")[0]
                 child_arm = arm.split("_")[0]
                 slow = arm == "bare_slow"
-                spec = make_spec(work, epochs=args.epochs, ckpt_every=25, steps_per_epoch=spe,
+                spec = make_spec(work, epochs=args.epochs, ckpt_every=args.ckpt_every, steps_per_epoch=spe,
                                  task="benchmarks.faults:SlowCharLM" if slow else "jobs.tasks.charlm:CharLMTask",
                                  task_args={"step_delay_ms": args.slow_ms} if slow else None)
                 spec["_child_arm"] = child_arm
@@ -395,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
                 spec["tune_allocator"] = arm == "bare_tuned"
                 if arm == "product_system":
                     spec["product_set"].append("scaling.tune_allocator=false")
+                if arm == "product_nice15":  # the ranks where Ray puts them by default
+                    spec["product_set"].append("scaling.worker_niceness=null")
+                    spec["env"] = {"RAY_worker_niceness": "15"}
                 specs[lab], works[lab] = spec, work
             print(f"[repeat {rep + 1}/{args.repeats}] {', '.join(order)} time-sliced ({args.slice}s) ...", flush=True)
             res = run_repeat(order, specs, works, args.slice, args.timeout, f"{tag}_{rep}")
@@ -425,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
             "workload": {"task_args": TASK_ARGS, "workers": 2, "global_batch": 64, "epochs": args.epochs,
-                         "steps_per_epoch": spe, "ckpt_every_steps": 25, "slice_s": args.slice,
+                         "steps_per_epoch": spe, "ckpt_every_steps": args.ckpt_every, "slice_s": args.slice,
                          "slow_ms": args.slow_ms},
             "labels": labels, "wall_s": time.time() - t_all, "repeats": repeats, **summary,
         }
