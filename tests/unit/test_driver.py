@@ -23,6 +23,7 @@ class ScriptedGroup:
     for ever, 'busy' once)."""
 
     instances: list[ScriptedGroup] = []
+    niceness = "0"  # what every rank reports from scaling.worker_niceness
 
     def __init__(self, cfg: JobConfig, run_url: str, attempt: int, script: dict[int, list[Any]],
                  capacity: list[int], resume: dict[int, int]) -> None:
@@ -46,7 +47,8 @@ class ScriptedGroup:
         self.world_size = world_size
         step = self.resume.get(self.attempt, 0)
         rp = ResumePoint(step, step // STEPS, step % STEPS, None)
-        return [SetupInfo(r, world_size, "h", 1, "gloo", STEPS, rp, [], {"start": 0.0, "process_group": 0.0, "task": 0.0, "ddp": 0.0, "checkpoint_load": 0.0, "ready": 0.0})
+        return [SetupInfo(r, world_size, "h", 1, "gloo", STEPS, rp, [], {"start": 0.0, "process_group": 0.0, "task": 0.0, "ddp": 0.0, "checkpoint_load": 0.0, "ready": 0.0},
+                          niceness=self.niceness)
                 for r in range(world_size)]
 
     def run_epoch(self, epoch: int, start_step: int) -> None:
@@ -245,3 +247,21 @@ def test_spare_ready_is_reported_once_per_group() -> None:
     ready = [e for e in driver.events.records() if e["event"] == "spare_ready"]
     # not while preparing, then once with its time; never again for the same group
     assert [(e["attempt"], e["prepare_s"]) for e in ready] == [(0, 1.25)]
+
+
+def test_workers_left_at_rays_niceness_are_warned_about_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    note = "15 (not permitted to set scaling.worker_niceness=0: start Ray with RAY_worker_niceness=0, or give the workers CAP_SYS_NICE)"
+    monkeypatch.setattr(ScriptedGroup, "niceness", note)
+    driver, _ = make({})
+    assert driver.run().status == "finished"
+    out = driver.out.getvalue()  # type: ignore[attr-defined]
+    assert out.count("warning: workers run at niceness 15") == 1  # one line for the group, not one per rank
+    assert "RAY_worker_niceness=0" in out
+    started = [e for e in driver.events.records() if e["event"] == "group_started"]
+    assert started[0]["niceness"] == [note]
+
+
+def test_no_niceness_warning_at_normal_priority() -> None:
+    driver, _ = make({})
+    assert driver.run().status == "finished"
+    assert "niceness" not in driver.out.getvalue()  # type: ignore[attr-defined]
