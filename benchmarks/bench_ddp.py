@@ -142,6 +142,8 @@ def child_product(spec: dict[str, Any]) -> dict[str, Any]:
         return infos
 
     wg.RayWorkerGroup.start = start  # type: ignore[method-assign]
+    if spec.get("main_thread"):
+        _main_thread_actors(ray)
 
     name = "bench"
     overrides = [
@@ -212,6 +214,30 @@ def child_product(spec: dict[str, Any]) -> dict[str, Any]:
                 fs["kill_to_detect_s"] = ev["failure"]["time"] - fs["kill_time"]
         out["fault"] = fs
     return out
+
+
+def _main_thread_actors(ray: Any) -> None:
+    """Diagnostic (bench_interleaved's ``product_main``): every rank actor runs its methods on its process's main
+    thread (``max_concurrency=1``), where Ray's 10 ms signal check (which takes the GIL) cannot run during an
+    epoch, and the driver sends no heartbeat while an epoch runs (it would wait behind ``run_epoch``)."""
+    from cluster.driver import Driver
+
+    remote = ray.remote
+
+    def one_thread_remote(*a: Any, **k: Any) -> Any:
+        cls = remote(*a, **k)
+        options = cls.options
+
+        def one_thread_options(**opts: Any) -> Any:
+            if "max_concurrency" in opts:
+                opts["max_concurrency"] = 1
+            return options(**opts)
+
+        cls.options = one_thread_options
+        return cls
+
+    ray.remote = one_thread_remote
+    Driver._heartbeat_every = lambda self, watch: 3600.0  # type: ignore[method-assign]
 
 
 def child_bare(spec: dict[str, Any]) -> dict[str, Any]:

@@ -30,7 +30,8 @@ forward pass). An arm may be named twice (``bare,bare``: an A/A check whose rati
 ``bare,bare_slow`` checks that the method resolves a slowdown of known size. Like-for-like variants:
 ``bare_tuned`` (the bare loop with the product's allocator tuning, ``cluster.worker.tune_allocator``),
 ``product_system`` (the product with ``scaling.tune_allocator=false``), ``product_nice15`` (the ranks at
-Ray's default niceness 15: ``scaling.worker_niceness=null``, ``RAY_worker_niceness=15``) and ``bare_thread`` (the bare loop
+Ray's default niceness 15: ``scaling.worker_niceness=null``, ``RAY_worker_niceness=15``), ``product_main``
+(diagnostic: the rank actors run on their main thread with no heartbeats during an epoch) and ``bare_thread`` (the bare loop
 on a second thread, as the product's actor runs it). The workload is bench_ddp's
 (charlm, 2 CPU workers, global batch 64, 48 steps per epoch, checkpoint every 25 steps and every epoch).
 
@@ -59,7 +60,8 @@ from typing import Any
 
 from benchmarks.bench_ddp import TASK_ARGS, _steps_per_epoch, collect_arm, launch_arm, make_spec
 
-ARMS = ("product", "bare", "raytrain", "bare_slow", "bare_thread", "bare_tuned", "product_system", "product_nice15")
+ARMS = ("product", "bare", "raytrain", "bare_slow", "bare_thread", "bare_tuned", "product_system", "product_nice15",
+        "product_main")
 TARGET_EPOCH = 1.02
 
 Interval = tuple[float, float]
@@ -398,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
                 spec["tune_allocator"] = arm == "bare_tuned"
                 if arm == "product_system":
                     spec["product_set"].append("scaling.tune_allocator=false")
+                spec["main_thread"] = arm == "product_main"
                 if arm == "product_nice15":  # the ranks where Ray puts them by default
                     spec["product_set"].append("scaling.worker_niceness=null")
                     spec["env"] = {"RAY_worker_niceness": "15"}
