@@ -226,6 +226,8 @@ def _main_thread_actors(ray: Any) -> None:
 
     def one_thread_remote(*a: Any, **k: Any) -> Any:
         cls = remote(*a, **k)
+        if k or len(a) != 1 or not isinstance(a[0], type):
+            return cls  # ray.remote(num_cpus=...) as a decorator factory, or a function: untouched
         options = cls.options
 
         def one_thread_options(**opts: Any) -> Any:
