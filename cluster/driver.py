@@ -300,10 +300,11 @@ class Driver:
             setup_s=_phase_max(infos),
             hot_spare=self.group.spare_note,
             allocator=sorted({i.allocator for i in infos}),
-            niceness=sorted({i.niceness for i in infos}),
+            niceness=(niceness := sorted({i.niceness for i in infos})),
         )
-        for note in sorted({i.niceness for i in infos if "not permitted" in i.niceness}):
-            self._print(f"[{cfg.name}] warning: workers run at niceness {note}")
+        for note in niceness:
+            if "not permitted" in note:
+                self._print(f"[{cfg.name}] warning: workers run at niceness {note}")
         self._spare_announced = False
         if self._recovery is not None:
             self._recovery.update(

@@ -112,7 +112,7 @@ class Worker:
         threads = max(1, int(cfg.scaling.cpus_per_worker))
         torch.set_num_threads(threads)
         self.allocator = tune_allocator() if cfg.scaling.tune_allocator else "system"
-        self.niceness = set_niceness(cfg.scaling.worker_niceness)
+        set_niceness(cfg.scaling.worker_niceness)  # before the process group and task make their threads
 
     def _faults(self) -> list[FaultSpec]:
         faults = list(self.cfg.failures.inject)
