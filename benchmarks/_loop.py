@@ -44,7 +44,7 @@ def train_loop(
 ) -> None:
     torch.set_num_threads(1)  # as torchrun's OMP_NUM_THREADS=1 and the product's cpus_per_worker=1
     if spec.get("tune_allocator"):  # bench_interleaved's like-for-like variant of the product's default
-        from cluster.worker import tune_allocator
+        from cluster.process import tune_allocator
 
         tune_allocator()
     kill_file = spec.get("kill_file") or ""
@@ -56,7 +56,8 @@ def train_loop(
     model = task.build_model()
     ds = task.build_train_dataset()
     x, y = ds.tensors
-    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    sampler: DistributedSampler[Any] = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=seed,
+                                                          drop_last=True)
     per_rank = batch // world
     steps_per_epoch = len(sampler) // per_rank
     ddp = wrap(model)
@@ -67,7 +68,8 @@ def train_loop(
     if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
+        if sched is not None:
+            sched.load_state_dict(state["scheduler"])
         step, first_epoch, first_in_epoch = state["global_step"], state["epoch"], state["step_in_epoch"]
     log = open(spec["steplog"], "a", buffering=1) if rank == 0 else None
     try:
@@ -75,7 +77,8 @@ def train_loop(
             log.write(f"start {attempt} {time.time():.6f} {step}\n")
 
         def checkpoint(epoch: int, in_epoch: int) -> None:
-            save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+            save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                  "scheduler": sched.state_dict() if sched is not None else None,
                   "global_step": step, "epoch": epoch, "step_in_epoch": in_epoch})
 
         for epoch in range(first_epoch, epochs):
@@ -88,7 +91,8 @@ def train_loop(
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-                sched.step()
+                if sched is not None:
+                    sched.step()
                 step += 1
                 if log:
                     log.write(f"step {attempt} {time.time():.6f} {step} {float(loss.detach()):.5f}\n")

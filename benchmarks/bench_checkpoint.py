@@ -58,7 +58,8 @@ def run(storage: Storage, state: dict[str, torch.Tensor], async_save: bool, save
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_checkpoint", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="10,100,1024", help="state sizes in MiB, comma-separated")
     p.add_argument("--targets", default="local,s3", help="local and/or s3 (moto_server on loopback)")
     p.add_argument("--saves", type=int, default=3)

@@ -28,6 +28,10 @@ ray, for the two Ray arms) before the clock starts. Measured per arm:
 same hook in all arms: benchmarks/faults.py; it writes the kill time first). Measured: recovery_s (kill ->
 rank 0's first step after the restart), lost_steps (steps done since the checkpoint resumed from, redone),
 total_s; for the product also the phases of its ``recovered`` event.
+
+The product is timed from outside only (the clock around ``train()``); its step times come from the metrics
+Parquet and its breakdown (``product_breakdown``) from the run's event log, which records every phase.
+Nothing of ``cluster`` is wrapped or patched.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import glob
 import itertools
 import json
 import os
@@ -58,7 +63,8 @@ TARGETS = {"epoch_s": 1.02, "total_s": 1.25, "first_step_s": 2.0}
 def _read_steplog(path: str) -> tuple[list[tuple[int, float, int]], list[tuple[int, float, int]]]:
     """(starts, steps) from a rank-0 step log: starts = (attempt, time, resume_step), steps =
     (attempt, time, global_step)."""
-    starts, steps = [], []
+    starts: list[tuple[int, float, int]] = []
+    steps: list[tuple[int, float, int]] = []
     if not os.path.exists(path):
         return starts, steps
     with open(path) as fh:
@@ -105,45 +111,79 @@ def _fault_stats(kill_file: str, kill_step: int, starts: list[tuple[int, float, 
     return out
 
 
+def read_events(run: str) -> list[dict[str, Any]]:
+    """Every record of a run's event log, oldest first: ``events.jsonl`` and any ``events/*.jsonl`` segments
+    under the run folder (the storage may keep the log in numbered segments)."""
+    paths = glob.glob(os.path.join(run, "events.jsonl")) + glob.glob(os.path.join(run, "events", "*.jsonl"))
+    records: list[dict[str, Any]] = []
+    for path in sorted(paths):
+        with open(path) as fh:
+            records.extend(json.loads(line) for line in fh if line.strip())
+    return sorted(records, key=lambda e: float(e.get("time", 0.0)))  # stable: same-time records keep file order
+
+
+def product_breakdown(events: list[dict[str, Any]], t0: float, t_end: float, first_step: float | None,
+                      last_step: float) -> dict[str, Any]:
+    """Where the product's wall time goes, from its own event log and the clock around ``train()``:
+
+    call_to_run_start_s             train() called -> ``run_start`` (mostly starting the embedded Ray)
+    run_start_to_group_started_s    -> the first group is set up (``group_started``)
+    group_start_s                   the driver's own figure for that start (``seconds``: reserve, actors, setup)
+    actors_up_s                     group_start_s less the setup phases: reserve + actor processes up
+    setup_<phase>_s                 the slowest rank's seconds per setup phase (``setup_s``)
+    group_started_to_first_step_s   -> rank 0's first optimizer step
+    last_step_to_finished_s         rank 0's last step -> ``finished`` (checkpoint flush, result round trip)
+    finished_to_return_s            ``finished`` -> train() returns (workers and the embedded Ray stopped)
+    """
+    first_of: dict[str, dict[str, Any]] = {}
+    for e in events:
+        first_of.setdefault(e["event"], e)
+    finished = [e for e in events if e["event"] == "finished"]
+    run_start, started = first_of.get("run_start"), first_of.get("group_started")
+    bd: dict[str, Any] = {}
+    if run_start:
+        bd["call_to_run_start_s"] = run_start["time"] - t0
+    if started:
+        setup = {k: float(v) for k, v in (started.get("setup_s") or {}).items()}
+        bd.update({f"setup_{k}_s": v for k, v in setup.items()})
+        if run_start:
+            bd["run_start_to_group_started_s"] = started["time"] - run_start["time"]
+        if "seconds" in started:
+            bd["group_start_s"] = float(started["seconds"])
+            bd["actors_up_s"] = float(started["seconds"]) - sum(setup.values())
+        if first_step is not None:
+            bd["group_started_to_first_step_s"] = first_step - started["time"]
+    if finished:
+        bd["last_step_to_finished_s"] = finished[-1]["time"] - last_step
+        bd["finished_to_return_s"] = t_end - finished[-1]["time"]
+    return bd
+
+
+def product_fault(events: list[dict[str, Any]], rows: list[dict[str, Any]], kill_file: str,
+                  kill_step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(fault figures, the ``recovered`` event's phases) of a product run with an injected kill."""
+    rec: dict[str, Any] = next((e for e in reversed(events) if e["event"] == "recovered"), {})
+    phases = {k: v for k, v in rec.items() if k not in ("time", "event")}
+    fs = _fault_stats(kill_file, kill_step, [], [])
+    if "kill_time" not in fs:
+        return fs, phases
+    after = [float(r["time"]) for r in rows if r["attempt"] >= 1]
+    fs["recovery_s"] = min(after) - fs["kill_time"] if after else None
+    fs["resume_step"] = next((e["resume_step"] for e in events
+                              if e["event"] == "group_started" and e["attempt"] >= 1), None)
+    fs["lost_steps"] = kill_step - 1 - fs["resume_step"] if fs["resume_step"] is not None else None
+    fs["product_reported_lost_steps"] = rec.get("lost_steps")
+    failure = next((e for e in events if e["event"] == "failure"), None)
+    if failure:
+        fs["kill_to_detect_s"] = failure["time"] - fs["kill_time"]
+    return fs, phases
+
+
 def child_product(spec: dict[str, Any]) -> dict[str, Any]:
+    """cluster.train(cfg), timed from outside; everything inside it is read from the run's own record."""
     import pyarrow.parquet as pq
-    import ray
 
-    import cluster.worker_group as wg
     from cluster import load_config, train
-
-    marks: dict[str, list[float]] = {}
-
-    def timed(owner: Any, name: str, key: str) -> None:
-        orig = getattr(owner, name)
-
-        def wrapper(*a: Any, **k: Any) -> Any:
-            t = time.time()
-            try:
-                return orig(*a, **k)
-            finally:
-                marks.setdefault(key, []).append(time.time() - t)
-
-        setattr(owner, name, wrapper)
-
-    # Instrumentation only: wrappers around calls made a few times per run, nothing on the step path.
-    timed(ray, "init", "ray_init_s")
-    timed(ray, "shutdown", "ray_shutdown_s")
-    for method in ("reserve", "start", "finish", "shutdown"):
-        timed(wg.RayWorkerGroup, method, f"group_{method}_s")
-    # RayWorkerGroup.start waits three times: actors up (node), rank 0's store bound, every rank set up.
-    timed(wg.RayWorkerGroup, "_get", "_get")
-    setups: list[Any] = []
-    orig_start = wg.RayWorkerGroup.start
-
-    def start(self: Any, world_size: int) -> Any:
-        infos = orig_start(self, world_size)
-        setups.append(infos)
-        return infos
-
-    wg.RayWorkerGroup.start = start  # type: ignore[method-assign]
-    if spec.get("main_thread"):
-        _main_thread_actors(ray)
 
     name = "bench"
     overrides = [
@@ -162,34 +202,13 @@ def child_product(spec: dict[str, Any]) -> dict[str, Any]:
     run = os.path.join(spec["storage"], name)
     table = pq.read_table(os.path.join(run, "metrics")).to_pylist()
     rows = sorted((r for r in table if r["kind"] == "step"), key=lambda r: (r["attempt"], r["time"]))
-    with open(os.path.join(run, "events.jsonl")) as fh:
-        events = [json.loads(line) for line in fh if line.strip()]
+    events = read_events(run)
     step_times: dict[int, float] = {}
     for r in rows:  # a later attempt's time wins for a re-done step
         step_times[int(r["global_step"])] = float(r["time"])
     spe = int(spec["steps_per_epoch"])
     first = min((float(r["time"]) for r in rows if r["attempt"] == 0 and r["global_step"] == 1), default=None)
     last = max(step_times.values())
-    ev = {e["event"]: e for e in events}  # the last event of each kind
-    started = [e for e in events if e["event"] == "group_started"]
-    gets = marks.pop("_get", [])
-    bd: dict[str, Any] = {k: sum(v) for k, v in marks.items()}
-    if len(gets) >= 3:  # first attempt's start(): the three waits
-        bd.update(start_actors_up_s=gets[0], start_bind_store_s=gets[1], start_setup_s=gets[2])
-    if setups:
-        t = max((i.timings for i in setups[0]), key=lambda x: x["ready"])
-        bd.update(setup_process_group_s=t["process_group"] - t["start"], setup_task_s=t["task"] - t["process_group"],
-                  setup_checkpoint_load_s=t["checkpoint_load"] - t["task"],
-                  setup_barrier_s=t["ready"] - t["checkpoint_load"])
-        if "ddp" in t:  # newer workers time the DDP wrap (+ optimizer) apart from the checkpoint load
-            bd.update(setup_ddp_wrap_s=t["ddp"] - t["task"], setup_checkpoint_load_s=t["checkpoint_load"] - t["ddp"])
-    bd.update(
-        call_to_run_start_s=ev["run_start"]["time"] - t0,
-        run_start_to_group_started_s=started[0]["time"] - ev["run_start"]["time"],
-        group_started_to_first_step_s=(first - started[0]["time"]) if first else None,
-        last_step_to_finished_event_s=ev["finished"]["time"] - last if "finished" in ev else None,
-        finished_event_to_return_s=t_end - ev["finished"]["time"] if "finished" in ev else None,
-    )
     out: dict[str, Any] = {
         "status": result.status, "steps": result.global_step, "loss": result.metrics.get("loss"),
         "steps_per_epoch": spe,
@@ -198,48 +217,11 @@ def child_product(spec: dict[str, Any]) -> dict[str, Any]:
         "first_step_s": first - t0 if first else None,
         "teardown_s": t_end - last,
         **_epoch_stats(step_times, spe, spec["epochs"]),
-        "breakdown": bd,
+        "breakdown": product_breakdown(events, t0, t_end, first, last),
     }
     if spec.get("kill_step"):
-        rec = ev.get("recovered", {})
-        out["fault_events"] = {k: v for k, v in rec.items() if k not in ("time", "event")}
-        fs = _fault_stats(spec["kill_file"], spec["kill_step"], [], [])
-        after = [float(r["time"]) for r in rows if r["attempt"] >= 1]
-        if "kill_time" in fs:
-            fs["recovery_s"] = min(after) - fs["kill_time"] if after else None
-            fs["resume_step"] = next((e["resume_step"] for e in started if e["attempt"] >= 1), None)
-            fs["lost_steps"] = (spec["kill_step"] - 1 - fs["resume_step"]) if fs["resume_step"] is not None else None
-            fs["product_reported_lost_steps"] = rec.get("lost_steps")
-            if "failure" in ev:
-                fs["kill_to_detect_s"] = ev["failure"]["time"] - fs["kill_time"]
-        out["fault"] = fs
+        out["fault"], out["fault_events"] = product_fault(events, rows, spec["kill_file"], spec["kill_step"])
     return out
-
-
-def _main_thread_actors(ray: Any) -> None:
-    """Diagnostic (bench_interleaved's ``product_main``): every rank actor runs its methods on its process's main
-    thread (``max_concurrency=1``), where Ray's 10 ms signal check (which takes the GIL) cannot run during an
-    epoch, and the driver sends no heartbeat while an epoch runs (it would wait behind ``run_epoch``)."""
-    from cluster.driver import Driver
-
-    remote = ray.remote
-
-    def one_thread_remote(*a: Any, **k: Any) -> Any:
-        cls = remote(*a, **k)
-        if k or len(a) != 1 or not isinstance(a[0], type):
-            return cls  # ray.remote(num_cpus=...) as a decorator factory, or a function: untouched
-        options = cls.options
-
-        def one_thread_options(**opts: Any) -> Any:
-            if "max_concurrency" in opts:
-                opts["max_concurrency"] = 1
-            return options(**opts)
-
-        cls.options = one_thread_options
-        return cls
-
-    ray.remote = one_thread_remote
-    Driver._heartbeat_every = lambda self, watch: 3600.0  # type: ignore[method-assign]
 
 
 def child_bare(spec: dict[str, Any]) -> dict[str, Any]:
@@ -533,13 +515,13 @@ def summarize(runs: list[dict[str, Any]], fault: bool) -> dict[str, Any]:
         mine = [r for r in runs if r.get("arm") == arm and "error" not in r]
         if not mine:
             continue
-        m = {k: _median([r.get(k) for r in mine]) for k in keys}
+        m: dict[str, Any] = {k: _median([r.get(k) for r in mine]) for k in keys}
         m["n"] = len(mine)
         if fault:
             m.update({k: _median([r.get("fault", {}).get(k) for r in mine]) for k in fkeys})
             if arm == "product":
-                for k in ("detect_to_teardown_s", "reserve_s", "start_and_load_s", "checkpoint_load_s",
-                          "detect_to_first_step_s", "lost_steps"):
+                for k in ("detect_to_teardown_s", "reserve_s", "start_and_load_s", "actors_s", "rendezvous_s",
+                          "task_s", "checkpoint_load_s", "first_step_s", "detect_to_first_step_s", "lost_steps"):
                     m["phase_" + k] = _median([r.get("fault_events", {}).get(k) for r in mine])
         bkeys = sorted({k for r in mine for k in r.get("breakdown", {})})
         m["breakdown"] = {k: _median([r.get("breakdown", {}).get(k) for r in mine]) for k in bkeys}
@@ -553,7 +535,7 @@ def summarize(runs: list[dict[str, Any]], fault: bool) -> dict[str, Any]:
                 for k in keys + (["recovery_s"] if fault else [])
             }
     # Paired: the ratio within each repeat (arms run minutes apart at most), then the median over repeats.
-    # This machine's speed drifts by 10-20% over a benchmark; medians per arm mix fast and slow periods.
+    # A shared VM's speed drifts over a benchmark; medians per arm mix fast and slow periods.
     paired: dict[str, dict[str, float | None]] = {}
     by_rep: dict[Any, dict[str, dict[str, Any]]] = {}
     for r in runs:

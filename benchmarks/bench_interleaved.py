@@ -3,11 +3,11 @@
     RAY_AUTH_MODE=disabled .venv/bin/python -m benchmarks.bench_interleaved [--repeats 5]
         [--arms product,bare] [--epochs 12] [--slice 0.1] [--slow-ms 1.2] [--json out.json]
 
-Why: ``bench_ddp`` runs the arms one after another, each for ~20-30 s. On a shared VM whose speed drifts by
-10-20% over minutes, the ratio of two such windows carries several percent of noise, more than the 2% the
-steady-epoch target is about. Here the arms run *at the same time*, time-sliced: each arm's child process
-(and everything it starts: for the product, the embedded Ray's GCS, raylet, agents, log monitor and the
-worker actors) sits in its own cgroup, and the coordinator thaws one arm for ``--slice`` seconds while the
+Why: ``bench_ddp`` runs the arms one after another, each in its own window of time. On a shared VM whose
+speed drifts over minutes, the ratio of two such windows is noisier than the 2% the steady-epoch target is
+about. Here the arms run *at the same time*, time-sliced: each arm's child process (and everything it
+starts: for the product, the embedded Ray's GCS, raylet, agents, log monitor and the worker actors) sits
+in its own cgroup, and the coordinator thaws one arm for ``--slice`` seconds while the
 others are frozen (cgroup freezer: every process of the arm stops and resumes at once), round robin until
 every arm has finished. Each arm therefore runs alone on the machine, exactly as in ``bench_ddp`` (its own
 background daemons included, nobody else's), but a slow patch of the VM hits all arms alike.
@@ -28,12 +28,13 @@ Arms: ``product`` (cluster.train on an embedded Ray), ``bare`` (torch.multiproce
 (TorchTrainer), and ``bare_slow``: the bare arm with every step ``--slow-ms`` longer (a sleep before the
 forward pass). An arm may be named twice (``bare,bare``: an A/A check whose ratio must come out 1.00), and
 ``bare,bare_slow`` checks that the method resolves a slowdown of known size. Like-for-like variants:
-``bare_tuned`` (the bare loop with the product's allocator tuning, ``cluster.worker.tune_allocator``),
+``bare_tuned`` (the bare loop with the product's allocator tuning, ``cluster.process.tune_allocator``),
 ``product_system`` (the product with ``scaling.tune_allocator=false``), ``product_nice15`` (the ranks at
-Ray's default niceness 15: ``scaling.worker_niceness=null``, ``RAY_worker_niceness=15``), ``product_main``
-(diagnostic: the rank actors run on their main thread with no heartbeats during an epoch) and ``bare_thread`` (the bare loop
-on a second thread, as the product's actor runs it). The workload is bench_ddp's
-(charlm, 2 CPU workers, global batch 64, 48 steps per epoch, checkpoint every 25 steps and every epoch).
+Ray's default niceness 15: ``scaling.worker_niceness=null``, ``RAY_worker_niceness=15``) and ``bare_thread``
+(the bare loop on a second thread, as the product's actor runs it). Every variant is a config setting, an
+environment variable or a change to the bare loop; the product's code is never altered. The workload is
+bench_ddp's (charlm, 2 CPU workers, global batch 64, 48 steps per epoch, checkpoint every 25 steps and every
+epoch).
 
 Needs write access to a cgroup freezer: cgroup v1 ``/sys/fs/cgroup/freezer`` or cgroup v2
 ``cgroup.freeze`` (root, or a delegated cgroup). Nothing else on the machine is frozen.
@@ -60,8 +61,7 @@ from typing import Any
 
 from benchmarks.bench_ddp import TASK_ARGS, _steps_per_epoch, collect_arm, launch_arm, make_spec
 
-ARMS = ("product", "bare", "raytrain", "bare_slow", "bare_thread", "bare_tuned", "product_system", "product_nice15",
-        "product_main")
+ARMS = ("product", "bare", "raytrain", "bare_slow", "bare_thread", "bare_tuned", "product_system", "product_nice15")
 TARGET_EPOCH = 1.02
 
 Interval = tuple[float, float]
@@ -191,6 +191,28 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     m = statistics.fmean(values)
     se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan")
     return m, se
+
+
+# ====================================================================== the arms
+def arm_spec(arm: str, work: str, *, epochs: int, ckpt_every: int, steps_per_epoch: int,
+             slow_ms: float) -> dict[str, Any]:
+    """The ``bench_ddp`` child spec of one arm: its base arm (``_child_arm``: product, bare or raytrain) and
+    the variant's settings."""
+    if arm not in ARMS:
+        raise ValueError(f"unknown arm {arm!r}; choose from {ARMS}")
+    slow = arm == "bare_slow"
+    spec = make_spec(work, epochs=epochs, ckpt_every=ckpt_every, steps_per_epoch=steps_per_epoch,
+                     task="benchmarks.faults:SlowCharLM" if slow else "jobs.tasks.charlm:CharLMTask",
+                     task_args={"step_delay_ms": slow_ms} if slow else None)
+    spec["_child_arm"] = arm.split("_")[0]
+    spec["loop_thread"] = arm == "bare_thread"
+    spec["tune_allocator"] = arm == "bare_tuned"
+    if arm == "product_system":
+        spec["product_set"].append("scaling.tune_allocator=false")
+    if arm == "product_nice15":  # the ranks where Ray puts them by default
+        spec["product_set"].append("scaling.worker_niceness=null")
+        spec["env"] = {"RAY_worker_niceness": "15"}
+    return spec
 
 
 # ====================================================================== one repeat
@@ -389,22 +411,9 @@ def main(argv: list[str] | None = None) -> int:
             for i, lab in enumerate(order):
                 work = os.path.join(scratch, f"{rep}_{i}")
                 os.makedirs(work)
-                arm = lab.split("#")[0]
-                child_arm = arm.split("_")[0]
-                slow = arm == "bare_slow"
-                spec = make_spec(work, epochs=args.epochs, ckpt_every=args.ckpt_every, steps_per_epoch=spe,
-                                 task="benchmarks.faults:SlowCharLM" if slow else "jobs.tasks.charlm:CharLMTask",
-                                 task_args={"step_delay_ms": args.slow_ms} if slow else None)
-                spec["_child_arm"] = child_arm
-                spec["loop_thread"] = arm == "bare_thread"
-                spec["tune_allocator"] = arm == "bare_tuned"
-                if arm == "product_system":
-                    spec["product_set"].append("scaling.tune_allocator=false")
-                spec["main_thread"] = arm == "product_main"
-                if arm == "product_nice15":  # the ranks where Ray puts them by default
-                    spec["product_set"].append("scaling.worker_niceness=null")
-                    spec["env"] = {"RAY_worker_niceness": "15"}
-                specs[lab], works[lab] = spec, work
+                specs[lab] = arm_spec(lab.split("#")[0], work, epochs=args.epochs, ckpt_every=args.ckpt_every,
+                                      steps_per_epoch=spe, slow_ms=args.slow_ms)
+                works[lab] = work
             print(f"[repeat {rep + 1}/{args.repeats}] {', '.join(order)} time-sliced ({args.slice}s) ...", flush=True)
             res = run_repeat(order, specs, works, args.slice, args.timeout, f"{tag}_{rep}")
             res["repeat"] = rep

@@ -61,7 +61,7 @@ class ScalingConfig:
     tune_allocator: bool = True
     """Keep glibc's allocator from returning freed memory to the kernel after every step (``mallopt``: mmap
     threshold 256 MiB, trim threshold 1 GiB, top pad 64 MiB), so the next step does not fault it back in
-    page by page. Measured 7% faster CPU steps on the benchmark workload; a worker keeps up to its peak heap.
+    page by page (benchmarks/RESULTS.md has the gain); a worker keeps up to its peak heap.
     No effect where the C library is not glibc."""
 
 
@@ -132,8 +132,8 @@ class FailureConfig:
     loaded) and replace only the lost ones. Lost nodes and hangs always get fresh workers."""
     hot_spare: bool | Literal["auto"] = "auto"
     """CPU jobs: keep one extra idle worker process (no CPU reserved; task, dataset and DDP's imports
-    loaded) that takes a dead worker's place at once: recovery in well under a second instead of starting
-    a process. Costs one worker's memory, and the CPU to prepare it (about one torch import) while the
+    loaded) that takes a dead worker's place at once, instead of starting a new process
+    in the recovery. Costs one worker's memory, and the CPU to prepare it (about one torch import) while the
     first epoch runs. ``auto``: only when a node of the job has at least one worker's CPU share that the
     job does not use, so the spare never slows training; ``true``: always; ``false``: never. Not used
     for GPU jobs (a GPU is bound to its process)."""

@@ -1,6 +1,15 @@
 """The coordinator: an explicit state machine that starts the group, drives epochs, watches heartbeats,
 decides on failures through a small policy object, and resumes from the latest verified checkpoint.
 
+States carry their data and ``Driver._step`` returns the next one; ``Driver._transition`` is the only place
+the state changes::
+
+    Starting --> Running --(epoch done)--> Running | Resizing --> Starting | Finishing --> Finished
+        |           |
+        +-----------+--(failure)--> Recovering --> Starting | Failed
+
+Whether a run is already complete is decided once, before any worker starts (``_initial_state``).
+
 It never sits on a training step's path: workers train a whole epoch autonomously; the driver waits on the
 epoch's result and reads a heartbeat (global step, time of the last step): once a second while a live bar
 is drawn in a terminal, otherwise every twentieth of the hang timeout (3 s by default), because each
@@ -10,65 +19,164 @@ heartbeat is a call into every worker while it trains.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import itertools
 import json
+import logging
 import os
 import platform
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol, TextIO
+from typing import Any, ClassVar, TextIO
 
 import torch
 
 from cluster import local_ray
-from cluster.checkpoint import CheckpointStore
+from cluster.checkpoint import CheckpointStore, CommitRecord
 from cluster.config import FailureConfig, JobConfig
-from cluster.errors import ConfigError, Failure, ResourcesUnavailableError, StorageError, TrainingFailedError
-from cluster.metrics import EventLog, Progress, write_metrics
+from cluster.errors import (
+    CheckpointError,
+    ConfigError,
+    Failure,
+    ResourcesUnavailableError,
+    StorageError,
+    TrainingFailedError,
+)
+from cluster.group import GroupFactory, Salvage, WorkerGroup
+from cluster.metrics import EventLog, ProgressDisplay, write_metrics
 from cluster.storage import PROBE_ENV, Storage, join, normalize_url, write_probe
-from cluster.worker import EpochResult, SetupInfo
+from cluster.worker import EpochResult, Heartbeat, SetupInfo
 
 __version__ = "0.1.0"
 
+logger = logging.getLogger(__name__)
 
-class State(enum.Enum):
-    STARTING = "starting"
-    RUNNING = "running"
-    RECOVERING = "recovering"
-    FINISHED = "finished"
-    FAILED = "failed"
+
+
+# ---------------------------------------------------------------------------------------------- states
+class State:
+    """A state of the driver. Each carries what its step needs; ``Driver._step`` returns the next one."""
+
+    name: ClassVar[str]
+    is_terminal: ClassVar[bool] = False
+
+    def describe(self) -> str:
+        return self.name
+
+
+@dataclass
+class RecoveryTiming:
+    """The phases of one recovery, from the failure's detection to the first step after it (the
+    ``recovered`` event). Filled in as the recovery goes through Recovering, Starting and Running."""
+
+    kind: str
+    t_detect: float
+    seen_step: int
+    """The highest step any rank had reached when the failure was seen."""
+    t_teardown: float = 0.0
+    reused_workers: int = 0
+    t_reserved: float = 0.0
+    t_ready: float = 0.0
+    resume_step: int = 0
+    actors_s: float = 0.0
+    rendezvous_s: float = 0.0
+    task_s: float = 0.0
+    checkpoint_load_s: float = 0.0
+
+    def group_started(self, t_reserved: float, t_ready: float, infos: list[SetupInfo], resume_step: int) -> None:
+        self.t_reserved, self.t_ready, self.resume_step = t_reserved, t_ready, resume_step
+        self.actors_s = max(i.timings["start"] for i in infos) - t_reserved
+        self.rendezvous_s = max(i.timings["process_group"] - i.timings["start"] for i in infos)
+        self.task_s = max(i.timings["task"] - i.timings["process_group"] for i in infos)
+        self.checkpoint_load_s = max(i.timings["checkpoint_load"] - i.timings["task"] for i in infos)
 
     @property
-    def is_terminal(self) -> bool:
-        return self in (State.FINISHED, State.FAILED)
+    def lost_steps(self) -> int:
+        return max(0, self.seen_step - self.resume_step)
+
+    def phases(self, first_step_at: float) -> dict[str, float]:
+        return {
+            "detect_to_teardown_s": self.t_teardown - self.t_detect,
+            "reserve_s": self.t_reserved - self.t_teardown,
+            "start_and_load_s": self.t_ready - self.t_reserved,
+            "actors_s": self.actors_s,
+            "rendezvous_s": self.rendezvous_s,
+            "task_s": self.task_s,
+            "checkpoint_load_s": self.checkpoint_load_s,
+            "first_step_s": first_step_at - self.t_ready,
+            "detect_to_first_step_s": first_step_at - self.t_detect,
+        }
 
 
-class WorkerGroup(Protocol):
-    """What the driver needs from a gang of workers (the seam the driver's unit tests replace)."""
+@dataclass(frozen=True)
+class Starting(State):
+    """Reserve resources and start a gang: the first one, after a failure, or a larger one."""
 
-    world_size: int
-    spare_note: str  # the hot spare's state after start(): "off", "off: <why>", "preparing"
-
-    def reserve(self, sizes: list[int], wait_s: float) -> int: ...
-    def start(self, world_size: int) -> list[SetupInfo]: ...
-    def run_epoch(self, epoch: int, start_step: int) -> None: ...
-    def poll(self, timeout: float) -> list[EpochResult] | None: ...
-    def progress(self, timeout: float = 2.0) -> list[Any]: ...
-    def finish(self) -> list[Any]: ...
-    def spare_ready(self) -> float | None: ...
-    def classify(self, exc: BaseException) -> Failure: ...
-    def available_for(self, n: int) -> bool: ...
-    def salvage(self, failure: Failure, attempt: int) -> Any: ...
-    def adopt(self, token: Any) -> None: ...
-    def shutdown(self, graceful: bool) -> None: ...
+    name: ClassVar[str] = "starting"
+    recovery: RecoveryTiming | None = None
+    salvage: Salvage | None = None
+    """Workers kept from the failed group, for a warm restart."""
 
 
-GroupFactory = Callable[[JobConfig, str, int], WorkerGroup]
+@dataclass(frozen=True)
+class Running(State):
+    """The gang trains ``epoch`` from ``start_step``; the driver watches its heartbeats."""
+
+    name: ClassVar[str] = "running"
+    epoch: int
+    start_step: int
+    dispatched_at: float | None = None
+    """When the previous epoch's handler already dispatched this epoch (workers do not wait for the driver
+    between epochs); None when this step must dispatch it."""
+    recovery: RecoveryTiming | None = None
+    """Set until the first epoch after a recovery completes and its ``recovered`` event is written."""
+
+    def describe(self) -> str:
+        return f"running epoch {self.epoch} from step {self.start_step}"
 
 
+@dataclass(frozen=True)
+class Recovering(State):
+    """A failure was seen: decide (restart or give up), salvage what can be kept, tear down the rest."""
+
+    name: ClassVar[str] = "recovering"
+    failure: Failure
+    recovery: RecoveryTiming
+
+    def describe(self) -> str:
+        return f"recovering from {self.failure.kind} (rank {self.failure.rank})"
+
+
+@dataclass(frozen=True)
+class Resizing(State):
+    """At an epoch boundary, resources for more workers returned: flush, stop this gang, start a larger one."""
+
+    name: ClassVar[str] = "resizing"
+    new_size: int
+
+
+@dataclass(frozen=True)
+class Finishing(State):
+    """The last epoch is done: flush the last checkpoint and record the end."""
+
+    name: ClassVar[str] = "finishing"
+    loss: float
+
+
+@dataclass(frozen=True)
+class Finished(State):
+    name: ClassVar[str] = "finished"
+    is_terminal: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class Failed(State):
+    name: ClassVar[str] = "failed"
+    is_terminal: ClassVar[bool] = True
+    error: BaseException
+
+
+# ---------------------------------------------------------------------------------------------- policy
 @dataclass(frozen=True)
 class Decision:
     restart: bool
@@ -127,7 +235,12 @@ class Result:
     error: str | None = None
 
 
+# ---------------------------------------------------------------------------------------------- driver
 class Driver:
+    """Runs one job to its end. ``run`` loops ``state = self._step(state)`` until a terminal state; every
+    transition goes through ``_transition``. What outlives a state (the run's history: attempts, failures,
+    the position reached, the live worker group) is on the driver."""
+
     def __init__(
         self,
         cfg: JobConfig,
@@ -141,25 +254,20 @@ class Driver:
         self.policy = policy or FailurePolicy(cfg.failures)
         self.out = out or sys.stdout
         self.poll_s = poll_s
-        self._dispatched_at: float | None = None  # the next epoch was already started by _epoch_done
-        self.state = State.STARTING
+        self.state: State = Starting()
         self.storage = Storage(join(normalize_url(cfg.storage.url), cfg.name), cfg.storage.options)
         self.run_url = self.storage.root
         self.attempt = 0
         self.epoch = 0
-        self.start_step = 0
         self.global_step = 0
         self.steps_per_epoch = 0
         self.world_size = 0
         self.group: WorkerGroup | None = None
         self.failures: list[Failure] = []
         self.last_metrics: dict[str, Any] = {}
-        self.error: BaseException | None = None
-        self._recovery: dict[str, Any] | None = None
-        self._progress: Progress | None = None
+        self._display: ProgressDisplay | None = None
         self._probe_token: str | None = None
         self._streak = 0  # failures since the last completed epoch
-        self._salvage: Any = None
         self._spare_announced = False  # the current group's hot spare was reported ready
 
     # ------------------------------------------------------------------ public
@@ -167,24 +275,35 @@ class Driver:
         self._prepare_storage()
         self.events.append("run_start", attempt=self.attempt, config=self.cfg.to_dict())
         try:
+            self._transition(self._initial_state())
             while not self.state.is_terminal:
-                self._step()
+                self._transition(self._step(self.state))
         finally:
             if self.group is not None:
-                self.group.shutdown(graceful=self.state is State.FINISHED)
+                self.group.shutdown(graceful=isinstance(self.state, Finished))
                 self.group = None
         result = self._result()
-        if self.state is State.FAILED and self.error is not None:
-            raise self.error
+        if isinstance(self.state, Failed):
+            raise self.state.error
         return result
 
-    def _step(self) -> None:
-        if self.state is State.STARTING:
-            self._start()
-        elif self.state is State.RUNNING:
-            self._run_epoch()
-        elif self.state is State.RECOVERING:
-            self._recover()
+    def _transition(self, new: State) -> None:
+        """The only place the state changes."""
+        logger.debug("state %s -> %s (%s)", self.state.name, new.name, new.describe())
+        self.state = new
+
+    def _step(self, state: State) -> State:
+        if isinstance(state, Starting):
+            return self._start(state)
+        if isinstance(state, Running):
+            return self._run_epoch(state)
+        if isinstance(state, Recovering):
+            return self._recover(state)
+        if isinstance(state, Resizing):
+            return self._resize(state)
+        if isinstance(state, Finishing):
+            return self._finish(state)
+        raise AssertionError(f"no step for state {state!r}")
 
     # ------------------------------------------------------------------ storage
     def _prepare_storage(self) -> None:
@@ -209,72 +328,69 @@ class Driver:
             }
             self.storage.write_atomic("run.json", json.dumps(info, indent=1, default=str).encode())
 
-    # ------------------------------------------------------------------ states
-    def _already_complete(self) -> bool:
-        """True when the newest checkpoint verifies and covers every epoch: no workers are needed."""
+    def _initial_state(self) -> State:
+        """Decided once, before any worker starts: a run whose newest verified checkpoint covers every epoch
+        is already complete. The workers resume from that same checkpoint, so they never disagree."""
         store = CheckpointStore(self.storage)
-        infos = store.list()
-        if not infos or infos[-1].epoch < self.cfg.training.epochs:
-            return False
-        try:
-            store.read_verified(infos[-1])
-        except Exception:
-            return False  # let the workers' resume path skip it and report why
-        self.global_step, self.epoch = infos[-1].step, infos[-1].epoch
-        return True
-
-    def _start(self) -> None:
-        cfg = self.cfg
-        target, minimum = cfg.scaling.num_workers, cfg.effective_min_workers
-        t0 = time.time()
-        if self.attempt == 0 and self._already_complete():
+        for info in reversed(store.list()):
+            if info.epoch < self.cfg.training.epochs:
+                return Starting()  # the newest usable checkpoint (this or an older one) leaves work to do
+            try:
+                store.read_verified(info)
+            except (CheckpointError, StorageError) as exc:
+                logger.warning("final checkpoint at step %d does not verify, looking further back: %s", info.step, exc)
+                continue
+            self.global_step, self.epoch = info.step, info.epoch
             self._print(
-                f"[{cfg.name}] all {cfg.training.epochs} epochs are already done (checkpoint at step "
+                f"[{self.cfg.name}] all {self.cfg.training.epochs} epochs are already done (checkpoint at step "
                 f"{self.global_step}); nothing to train"
             )
             self.events.append("already_complete", global_step=self.global_step)
-            self.state = State.FINISHED
-            return
+            return Finished()
+        return Starting()
+
+    # ------------------------------------------------------------------ steps
+    def _start(self, s: Starting) -> State:
+        cfg = self.cfg
+        target, minimum = cfg.scaling.num_workers, cfg.effective_min_workers
+        t0 = time.time()
         # Every worker checks it sees this token (Worker.setup): storage visible only here fails at once.
         # One token per driver: workers kept across a warm restart already carry it.
         if self._probe_token is None:
             self._probe_token = write_probe(self.storage)
         probe_env = {**cfg.scaling.env, PROBE_ENV: self._probe_token}
         group_cfg = dataclasses.replace(cfg, scaling=dataclasses.replace(cfg.scaling, env=probe_env))
-        self.group = self.group_factory(group_cfg, self.run_url, self.attempt)
-        if self._salvage is not None:
-            self.group.adopt(self._salvage)
-            self._salvage = None
+        group = self.group = self.group_factory(group_cfg, self.run_url, self.attempt)
+        if s.salvage is not None:
+            group.adopt(s.salvage)
         sizes = list(range(target, minimum - 1, -1))
         try:
-            n = self.group.reserve(sizes, cfg.scaling.resource_wait_s)
+            n = group.reserve(sizes, cfg.scaling.resource_wait_s)
         except ResourcesUnavailableError as exc:
             self.events.append("failed", reason=str(exc))
-            self._fail(exc)
-            return
+            return self._fail(exc)
         t_reserved = time.time()
         if n < target:
             self.events.append(
                 "resize",
                 old=self.world_size or target,
                 new=n,
-                reason="resources for "
-                f"{target} workers not available within {cfg.scaling.resource_wait_s:g}s",
+                reason=f"resources for {target} workers not available within {cfg.scaling.resource_wait_s:g}s",
             )
             self._print(f"continuing with {n}/{target} workers (scaling.min_workers={minimum})")
         try:
-            infos = self.group.start(n)
+            infos = group.start(n)
         except (ConfigError, StorageError):
             # e.g. workers import other code than the driver, or cannot see its storage (after the retry
             # budget): retrying cannot help
             raise
         except Exception as exc:
-            self._on_failure(
-                self.group.classify(exc)
+            failure = (
+                group.classify(exc)
                 if _is_remote_error(exc)
                 else Failure("start_failed", None, f"{type(exc).__name__}: {exc}")
             )
-            return
+            return self._on_failure(failure)
         t_ready = time.time()
         self.world_size = n
         head = infos[0]
@@ -283,9 +399,9 @@ class Driver:
             self._print(f"skipped checkpoint step {step}: {reason}")
         self.steps_per_epoch = head.steps_per_epoch
         r = head.resume
-        self.epoch, self.start_step, self.global_step = r.epoch, r.step_in_epoch, r.global_step
-        total = self.steps_per_epoch * cfg.training.epochs
-        self._progress = Progress(total, self.out)
+        self.epoch, self.global_step = r.epoch, r.global_step
+        self._display = ProgressDisplay(self.steps_per_epoch * cfg.training.epochs, self.out)
+        niceness = sorted({i.niceness for i in infos})
         self.events.append(
             "group_started",
             attempt=self.attempt,
@@ -293,108 +409,79 @@ class Driver:
             backend=head.backend,
             resume_step=r.global_step,
             resume_epoch=r.epoch,
+            resume_checkpoint=r.checkpoint_url,
+            resume_world_size=r.world_size,
             pids=[i.pid for i in infos],
             nodes=[i.node_id for i in infos],
             hosts=sorted({i.hostname for i in infos}),
             seconds=round(t_ready - t0, 3),
             setup_s=_phase_max(infos),
-            hot_spare=self.group.spare_note,
+            hot_spare=group.spare_note,
             allocator=sorted({i.allocator for i in infos}),
-            niceness=(niceness := sorted({i.niceness for i in infos})),
+            niceness=niceness,
         )
         for note in niceness:
             if "not permitted" in note:
                 self._print(f"[{cfg.name}] warning: workers run at niceness {note}")
         self._spare_announced = False
-        if self._recovery is not None:
-            self._recovery.update(
-                reserve_s=t_reserved - self._recovery["t_teardown"],
-                start_s=t_ready - t_reserved,
-                resume_step=r.global_step,
-                load_s=max(i.timings["checkpoint_load"] - i.timings["task"] for i in infos),
-                actors_s=max(i.timings["start"] for i in infos) - t_reserved,
-                rendezvous_s=max(i.timings["process_group"] - i.timings["start"] for i in infos),
-                task_s=max(i.timings["task"] - i.timings["process_group"] for i in infos),
-                t_ready=t_ready,
-            )
+        if s.recovery is not None:
+            s.recovery.group_started(t_reserved, t_ready, infos, r.global_step)
         where = (
-            f"from step {r.global_step} (epoch {r.epoch + 1}, step {r.step_in_epoch})"
-            if r.global_step
-            else "fresh"
+            f"from step {r.global_step} (epoch {r.epoch + 1}, step {r.step_in_epoch})" if r.global_step else "fresh"
         )
         self._print(
             f"[{cfg.name}] attempt {self.attempt}: {n} workers ({head.backend}) ready in "
             f"{t_ready - t0:.1f}s, starting {where}"
         )
-        if self.epoch >= cfg.training.epochs:
-            self._print(f"[{cfg.name}] all {cfg.training.epochs} epochs are already done; nothing to train")
-            self.events.append("already_complete", global_step=self.global_step)
-            self.state = State.FINISHED
-            return
-        self.state = State.RUNNING
+        return Running(r.epoch, r.step_in_epoch, recovery=s.recovery)
 
-    def _run_epoch(self) -> None:
-        assert self.group is not None and self._progress is not None
-        cfg = self.cfg
+    def _run_epoch(self, s: Running) -> State:
+        assert self.group is not None and self._display is not None
         group = self.group
-        if self._dispatched_at is None:
-            group.run_epoch(self.epoch, self.start_step)
-        t_epoch, self._dispatched_at = self._dispatched_at or time.time(), None
-        watch = _Heartbeat(cfg.failures, self.global_step)
+        if s.dispatched_at is None:
+            group.run_epoch(s.epoch, s.start_step)
+        t_epoch = s.dispatched_at or time.time()
+        watch = HangWatch(self.cfg.failures, self.global_step)
         while True:
             try:
                 results = group.poll(self._heartbeat_every(watch))
             except Exception as exc:
                 failure = group.classify(exc)
-                watch.update(group.progress(timeout=0.5))  # survivors know how far training got
-                self._on_failure(failure, watch.max_step)
-                return
+                watch.update(group.heartbeats(timeout=0.5))  # survivors know how far training got
+                return self._on_failure(failure, watch.max_step)
             if results is not None:
-                break
-            beats = group.progress()
-            hung = watch.update(beats)
+                return self._epoch_done(s, results, time.time() - t_epoch)
+            hung = watch.update(group.heartbeats())
             self._announce_spare()
-            self._progress.live(watch.max_step, cfg.training.global_batch_size)
+            self._display.live(watch.max_step, self.cfg.training.global_batch_size)
             if hung is not None:
-                self._on_failure(Failure("hang", hung[0], hung[1]), watch.max_step)
-                return
-        self._epoch_done(results, time.time() - t_epoch)
+                return self._on_failure(Failure("hang", hung[0], hung[1]), watch.max_step)
 
-    def _announce_spare(self) -> None:
-        """One ``spare_ready`` event per group, once its hot spare is prepared: from then on a dead rank is
-        replaced without starting a process. Checked at each heartbeat and each epoch end."""
-        if self._spare_announced or self.group is None:
-            return
-        prepare_s = self.group.spare_ready()
-        if prepare_s is not None:
-            self._spare_announced = True
-            self.events.append("spare_ready", attempt=self.attempt, prepare_s=round(prepare_s, 3))
-
-    def _heartbeat_every(self, watch: _Heartbeat) -> float:
-        """Seconds between heartbeats: ``poll_s`` for a terminal's live bar, else a twentieth of the hang
-        timeout within [poll_s, 5 * poll_s]. A death is seen at once either way (the epoch's result fails)."""
-        assert self._progress is not None
-        if self._progress.tty:
-            return self.poll_s
-        return min(max(self.poll_s, watch.timeout() / 20), 5 * self.poll_s)
-
-    def _epoch_done(self, results: list[EpochResult], wall_s: float) -> None:
-        assert self._progress is not None and self.group is not None
-        cfg = self.cfg
+    def _epoch_done(self, s: Running, results: list[EpochResult], wall_s: float) -> State:
+        """Record the epoch; return what comes next. A next epoch is dispatched before the recording, so the
+        workers train while this epoch's metrics, events and progress line are written."""
+        assert self.group is not None
         head = results[0]
-        self.global_step = head.global_step
+        next_state = self._after_epoch(head)
+        if isinstance(next_state, Running):
+            self.group.run_epoch(next_state.epoch, next_state.start_step)
+        self._record_epoch(head, wall_s, s.recovery)
+        return next_state
+
+    def _after_epoch(self, head: EpochResult) -> State:
+        cfg = self.cfg
         next_epoch = head.epoch + 1
-        finished = next_epoch >= cfg.training.epochs
-        grow = (
-            not finished
-            and self.world_size < cfg.scaling.num_workers
-            and self.group.available_for(cfg.scaling.num_workers - self.world_size)
-        )
-        if not finished and not grow:
-            # The workers start the next epoch now; this epoch's metrics, events and progress line are
-            # written while they train, not in a gap between epochs.
-            self.group.run_epoch(next_epoch, 0)
-            self._dispatched_at = time.time()
+        if next_epoch >= cfg.training.epochs:
+            return Finishing(loss=head.loss)
+        missing = cfg.scaling.num_workers - self.world_size
+        if missing > 0 and self.group is not None and self.group.available_for(missing):
+            return Resizing(new_size=cfg.scaling.num_workers)
+        return Running(next_epoch, 0, dispatched_at=time.time())
+
+    def _record_epoch(self, head: EpochResult, wall_s: float, recovery: RecoveryTiming | None) -> None:
+        assert self._display is not None
+        cfg = self.cfg
+        self.global_step = head.global_step
         self._announce_spare()
         samples_per_s = head.samples / wall_s if wall_s > 0 else 0.0
         epoch_row = {
@@ -410,13 +497,14 @@ class Driver:
             "world_size": self.world_size,
             "attempt": self.attempt,
             "lr": head.step_rows[-1]["lr"] if head.step_rows else None,
+            **{f"m_{k}": v for k, v in head.metrics.items()},
         }
         rows = [{"kind": "step", **r} for r in head.step_rows] + [epoch_row]
         write_metrics(self.storage, rows, head.epoch, self.attempt)
         for c in head.commits:
             self._commit_event(c)
-        if self._recovery is not None:
-            self._finish_recovery(head)
+        if recovery is not None and head.first_step_at is not None:
+            self._recovered(recovery, head.first_step_at)
         self.events.append(
             "epoch_end",
             epoch=head.epoch,
@@ -432,44 +520,120 @@ class Driver:
             "samples_per_s": samples_per_s,
             "global_step": head.global_step,
             "epoch_seconds": wall_s,
+            **head.metrics,
         }
         remaining_steps = (cfg.training.epochs - head.epoch - 1) * self.steps_per_epoch
         eta = remaining_steps * (wall_s / max(1, head.steps))
-        self._progress.epoch_line(
-            head.epoch, cfg.training.epochs, head.global_step, head.loss, samples_per_s, eta
-        )
-        self.epoch, self.start_step = next_epoch, 0
+        self._display.epoch_line(head.epoch, cfg.training.epochs, head.global_step, head.loss, samples_per_s, eta)
+        self.epoch = head.epoch + 1
         self._streak = 0
-        if finished:
-            for c in self.group.finish():
-                self._commit_event(c)
-            self.events.append(
-                "finished", global_step=self.global_step, loss=head.loss, attempts=self.attempt + 1
-            )
-            self._print(
-                f"[{cfg.name}] finished: {self.global_step} steps, loss {head.loss:.4f}, "
-                f"checkpoints in {self.run_url}/checkpoints"
-            )
-            self.state = State.FINISHED
-            return
-        if grow:
-            # Grow back at this epoch boundary: the epoch-end checkpoint is flushed, then a new gang starts.
-            for c in self.group.finish():
-                self._commit_event(c)
-            self.events.append(
-                "resize",
-                old=self.world_size,
-                new=cfg.scaling.num_workers,
-                reason="resources returned",
-                at_step=self.global_step,
-            )
-            self._print(f"resources returned: growing {self.world_size} -> {cfg.scaling.num_workers} workers")
-            self.group.shutdown(graceful=True)
-            self.group = None
-            self.attempt += 1
-            self.state = State.STARTING
 
-    def _commit_event(self, c: Any) -> None:
+    def _finish(self, s: Finishing) -> State:
+        assert self.group is not None
+        for c in self.group.finish():
+            self._commit_event(c)
+        self.events.append("finished", global_step=self.global_step, loss=s.loss, attempts=self.attempt + 1)
+        self._print(
+            f"[{self.cfg.name}] finished: {self.global_step} steps, loss {s.loss:.4f}, "
+            f"checkpoints in {self.run_url}/checkpoints"
+        )
+        return Finished()
+
+    def _resize(self, s: Resizing) -> State:
+        """Grow back at an epoch boundary: the epoch-end checkpoint is flushed, then a new gang starts."""
+        assert self.group is not None
+        for c in self.group.finish():
+            self._commit_event(c)
+        self.events.append(
+            "resize", old=self.world_size, new=s.new_size, reason="resources returned", at_step=self.global_step
+        )
+        self._print(f"resources returned: growing {self.world_size} -> {s.new_size} workers")
+        self.group.shutdown(graceful=True)
+        self.group = None
+        self.attempt += 1
+        return Starting()
+
+    def _on_failure(self, failure: Failure, seen_step: int | None = None) -> Recovering:
+        self.failures.append(failure)
+        self._streak += 1
+        self.events.append(
+            "failure",
+            kind=failure.kind,
+            rank=failure.rank,
+            attempt=self.attempt,
+            message=failure.message[-4000:],
+            step=seen_step,
+        )
+        self._print(f"FAILURE ({failure.kind}, rank {failure.rank}): {failure.message.splitlines()[0][:300]}")
+        timing = RecoveryTiming(failure.kind, time.time(), seen_step or self.global_step)
+        return Recovering(failure, timing)
+
+    def _recover(self, s: Recovering) -> State:
+        failure, timing = s.failure, s.recovery
+        decision = self.policy.decide(failure, self.failures, self._streak)
+        salvage: Salvage | None = None
+        if self.group is not None:
+            # Workers still in a collective are killed at once (never wait for the process-group
+            # timeout); idle healthy ones may be kept for a warm restart.
+            salvage = self.group.salvage(failure, self.attempt + 1) if decision.restart else None
+            if salvage is None:
+                self.group.shutdown(graceful=False)
+            timing.reused_workers = salvage.count if salvage is not None else 0
+            self.group = None
+        timing.t_teardown = time.time()
+        self.events.append("decision", restart=decision.restart, reason=decision.reason, delay_s=decision.delay_s)
+        if not decision.restart:
+            detail = failure.error.traceback if failure.error is not None else failure.message
+            return self._fail(
+                TrainingFailedError(
+                    f"{decision.reason}. Last failure ({failure.kind}, rank "
+                    f"{failure.rank}):\n{detail}\nCheckpoints are intact in "
+                    f"{self.run_url}/checkpoints; rerun the same job to resume."
+                )
+            )
+        self._print(f"recovering ({decision.reason}) in {decision.delay_s:.1f}s")
+        time.sleep(decision.delay_s)
+        self.attempt += 1
+        return Starting(recovery=timing, salvage=salvage)
+
+    def _fail(self, exc: BaseException) -> Failed:
+        self.events.append("run_failed", error=str(exc)[:4000])
+        return Failed(exc)
+
+    # ------------------------------------------------------------------ helpers
+    def _announce_spare(self) -> None:
+        """One ``spare_ready`` event per group, once its hot spare is prepared: from then on a dead rank is
+        replaced without starting a process. Checked at each heartbeat and each epoch end."""
+        if self._spare_announced or self.group is None:
+            return
+        prepare_s = self.group.spare_ready()
+        if prepare_s is not None:
+            self._spare_announced = True
+            self.events.append("spare_ready", attempt=self.attempt, prepare_s=round(prepare_s, 3))
+
+    def _heartbeat_every(self, watch: HangWatch) -> float:
+        """Seconds between heartbeats: ``poll_s`` for a terminal's live bar, else a twentieth of the hang
+        timeout within [poll_s, 5 * poll_s]. A death is seen at once either way (the epoch's result fails)."""
+        assert self._display is not None
+        if self._display.tty:
+            return self.poll_s
+        return min(max(self.poll_s, watch.timeout() / 20), 5 * self.poll_s)
+
+    def _recovered(self, timing: RecoveryTiming, first_step_at: float) -> None:
+        phases = timing.phases(first_step_at)
+        self.events.append(
+            "recovered",
+            kind=timing.kind,
+            lost_steps=timing.lost_steps,
+            reused_workers=timing.reused_workers,
+            **{k: round(v, 3) for k, v in phases.items()},
+        )
+        self._print(
+            f"recovered from {timing.kind}: first step {phases['detect_to_first_step_s']:.1f}s after "
+            f"detection, {timing.lost_steps} steps of work lost"
+        )
+
+    def _commit_event(self, c: CommitRecord) -> None:
         if c.error:
             self.events.append("checkpoint_failed", step=c.step, error=c.error)
             self._print(f"checkpoint at step {c.step} FAILED (not used): {c.error}")
@@ -484,103 +648,20 @@ class Driver:
                 write_s=round(c.write_s, 3),
             )
 
-    def _on_failure(self, failure: Failure, seen_step: int | None = None) -> None:
-        now = time.time()
-        self._dispatched_at = None
-        self.failures.append(failure)
-        self._streak += 1
-        self._recovery = {"t_detect": now, "kind": failure.kind, "seen_step": seen_step or self.global_step}
-        self.events.append(
-            "failure",
-            kind=failure.kind,
-            rank=failure.rank,
-            attempt=self.attempt,
-            message=failure.message[-4000:],
-            step=seen_step,
-        )
-        self._print(f"FAILURE ({failure.kind}, rank {failure.rank}): {failure.message.splitlines()[0][:300]}")
-        self.state = State.RECOVERING
-
-    def _recover(self) -> None:
-        assert self._recovery is not None
-        failure = self.failures[-1]
-        decision = self.policy.decide(failure, self.failures, self._streak)
-        if self.group is not None:
-            # Workers still in a collective are killed at once (never wait for the process-group
-            # timeout); idle healthy ones may be kept for a warm restart.
-            token = self.group.salvage(failure, self.attempt + 1) if decision.restart else None
-            if token is None:
-                self.group.shutdown(graceful=False)
-            self._salvage = token
-            self._recovery["reused"] = len(token["actors"]) if isinstance(token, dict) else 0
-            self.group = None
-        self._recovery["t_teardown"] = time.time()
-        self.events.append(
-            "decision", restart=decision.restart, reason=decision.reason, delay_s=decision.delay_s
-        )
-        if not decision.restart:
-            detail = failure.error.traceback if failure.error is not None else failure.message
-            self._fail(
-                TrainingFailedError(
-                    f"{decision.reason}. Last failure ({failure.kind}, rank "
-                    f"{failure.rank}):\n{detail}\nCheckpoints are intact in "
-                    f"{self.run_url}/checkpoints; rerun the same job to resume."
-                )
-            )
-            return
-        self._print(f"recovering ({decision.reason}) in {decision.delay_s:.1f}s")
-        time.sleep(decision.delay_s)
-        self.attempt += 1
-        self.state = State.STARTING
-
-    def _finish_recovery(self, head: EpochResult) -> None:
-        rec = self._recovery
-        assert rec is not None
-        self._recovery = None
-        if head.first_step_at is None:
-            return
-        phases = {
-            "detect_to_teardown_s": rec["t_teardown"] - rec["t_detect"],
-            "reserve_s": rec.get("reserve_s", 0.0),
-            "start_and_load_s": rec.get("start_s", 0.0),
-            "actors_s": rec.get("actors_s", 0.0),
-            "rendezvous_s": rec.get("rendezvous_s", 0.0),
-            "task_s": rec.get("task_s", 0.0),
-            "checkpoint_load_s": rec.get("load_s", 0.0),
-            "first_step_s": head.first_step_at - rec.get("t_ready", head.first_step_at),
-            "detect_to_first_step_s": head.first_step_at - rec["t_detect"],
-        }
-        lost = max(0, rec["seen_step"] - rec.get("resume_step", 0))
-        self.events.append(
-            "recovered",
-            kind=rec["kind"],
-            lost_steps=lost,
-            reused_workers=rec.get("reused", 0),
-            **{k: round(v, 3) for k, v in phases.items()},
-        )
-        self._print(
-            f"recovered from {rec['kind']}: first step {phases['detect_to_first_step_s']:.1f}s after "
-            f"detection, {lost} steps of work lost"
-        )
-
-    def _fail(self, exc: BaseException) -> None:
-        self.error = exc
-        self.state = State.FAILED
-        self.events.append("run_failed", error=str(exc)[:4000])
-
     def _print(self, text: str) -> None:
-        if self._progress is not None:
-            self._progress.line(text)
+        if self._display is not None:
+            self._display.line(text)
         else:
             self.out.write(text + "\n")
             self.out.flush()
 
     def _result(self) -> Result:
         infos = CheckpointStore(self.storage).list()
+        error = self.state.error if isinstance(self.state, Failed) else None
         return Result(
             name=self.cfg.name,
             run_url=self.run_url,
-            status=self.state.value,
+            status=self.state.name,
             epochs_completed=self.epoch,
             global_step=self.global_step,
             metrics=self.last_metrics,
@@ -588,11 +669,11 @@ class Driver:
             attempts=self.attempt + 1,
             failures=[{"kind": f.kind, "rank": f.rank, "message": f.message[:2000]} for f in self.failures],
             world_size=self.world_size,
-            error=str(self.error) if self.error else None,
+            error=str(error) if error is not None else None,
         )
 
 
-class _Heartbeat:
+class HangWatch:
     """Tracks each rank's step; a rank whose step stops advancing past the hang timeout is hung."""
 
     def __init__(self, cfg: FailureConfig, start_step: int) -> None:
@@ -607,7 +688,7 @@ class _Heartbeat:
             return self.cfg.hang_timeout_s
         return max(self.cfg.hang_timeout_floor_s, 10 * self.max_step_time)
 
-    def update(self, beats: list[Any]) -> tuple[int, str] | None:
+    def update(self, beats: list[Heartbeat | None]) -> tuple[int, str] | None:
         now = time.monotonic()
         for rank, beat in enumerate(beats):
             if beat is None:

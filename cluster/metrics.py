@@ -17,6 +17,7 @@ Metrics schema (``metrics/steps-*.parquet``, one file per epoch and attempt; rea
 | checkpoint_stall_s | double | seconds training was blocked by a checkpoint at that step (0 if none) |
 | world_size | int64 | workers in the group |
 | attempt | int64 | 0 for the first start, +1 per recovery or resize |
+| m_<name> | double | each extra metric ``Task.compute_loss`` returns as ``{name: value}``: step: rank 0's value at that step; epoch: rank 0's mean over the epoch's steps; null where a row has none |
 """
 
 from __future__ import annotations
@@ -51,6 +52,16 @@ SCHEMA = pa.schema(
 )
 
 
+EXTRA_PREFIX = "m_"
+"""Columns for the extra metrics of ``Task.compute_loss``: ``m_<name>``."""
+
+
+def schema_for(rows: list[dict[str, Any]]) -> pa.Schema:
+    """SCHEMA plus one float64 column per extra metric found in ``rows`` (sorted by name)."""
+    extra = sorted({k for row in rows for k in row if k.startswith(EXTRA_PREFIX)})
+    return pa.schema([*SCHEMA, *((name, pa.float64()) for name in extra)])
+
+
 class EventLog:
     """``events.jsonl``: one JSON object a line. Rewritten whole on each append (object stores cannot
     append), so it stays small: events are per start, failure, checkpoint and epoch, never per step."""
@@ -77,9 +88,8 @@ def write_metrics(storage: Storage, rows: list[dict[str, Any]], epoch: int, atte
     """Write rows as one Parquet file under ``metrics/``; return its relative path."""
     if not rows:
         return None
-    table = pa.Table.from_arrays(
-        [_column([row.get(f.name) for row in rows], f.type) for f in SCHEMA], schema=SCHEMA
-    )
+    schema = schema_for(rows)
+    table = pa.Table.from_arrays([_column([row.get(f.name) for row in rows], f.type) for f in schema], schema=schema)
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
     rel = f"metrics/steps-e{epoch:05d}-a{attempt:03d}-{int(time.time() * 1000)}.parquet"
@@ -89,8 +99,8 @@ def write_metrics(storage: Storage, rows: list[dict[str, Any]], epoch: int, atte
 
 def _column(values: list[Any], typ: pa.DataType) -> pa.Array:
     """One column built from its buffers. ``pa.array`` and ``Table.from_pylist`` import pandas on first use
-    (to ask whether the values are a pandas object): ~0.35 s of CPU in the driver, at the first epoch's end,
-    taken from the workers while they train epoch 2."""
+    (to ask whether the values are a pandas object), a noticeable burst of CPU in the driver at the first
+    epoch's end, taken from the workers while they train the next epoch."""
     n = len(values)
     valid = [v is not None for v in values]
     bitmap = None if all(valid) else pa.py_buffer(
@@ -109,7 +119,8 @@ def read_metrics(storage: Storage) -> pa.Table:
     if not files:
         return SCHEMA.empty_table()
     tables = [pq.read_table(pa.BufferReader(storage.read_bytes(f"metrics/{f}"))) for f in files]
-    return pa.concat_tables(tables).sort_by("time")
+    # Files of different epochs or tasks may carry different extra-metric columns: missing ones are null.
+    return pa.concat_tables(tables, promote_options="default").sort_by("time")
 
 
 def fmt_duration(seconds: float) -> str:
@@ -119,7 +130,7 @@ def fmt_duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m:d}:{s:02d}"
 
 
-class Progress:
+class ProgressDisplay:
     """The driver's display: a live bar on a terminal, plain lines in job logs."""
 
     def __init__(self, total_steps: int, out: TextIO | None = None) -> None:

@@ -1,6 +1,6 @@
 """``python -m cluster plot``: a run's loss and throughput vs global step, as a PNG (matplotlib, Agg).
 
-matplotlib is optional (``pip install 'cluster[plot]'``); without it ``plot`` raises InspectError saying so.
+matplotlib is optional (``pip install -e '.[plot]' (from the repository root)``); without it ``plot`` raises InspectError saying so.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def plot_png(storage: Storage, out_path: str) -> tuple[int, int]:
     try:
         import matplotlib
     except ImportError:
-        raise InspectError("plot needs matplotlib: pip install 'cluster[plot]'") from None
+        raise InspectError("plot needs matplotlib: pip install -e '.[plot]' (from the repository root)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

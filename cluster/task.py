@@ -29,16 +29,35 @@ class StepInfo:
 
 
 class Task:
-    """Subclass and override ``build_model``, ``build_train_dataset`` and ``compute_loss``.
+    """The user's half of a job. Subclass and override ``build_model``, ``build_train_dataset`` and
+    ``compute_loss``; ``build_optimizer``, ``build_scheduler`` and ``move_to_device`` have defaults.
 
-    ``build_train_dataset`` returns a map-style dataset; one with ``get_batch(indices)`` (see
-    :class:`cluster.data.TensorBatchDataset`) is fetched a batch at a time. ``compute_loss`` returns the
-    mean loss over the batch and a dict of extra scalar metrics; the worker scales it so that DDP's
-    gradient average equals the gradient of the mean over the global batch.
+    The contract, as each worker process calls it:
+
+    1. ``__init__(**task_args)``: once per process, with the config's ``task_args``.
+    2. ``build_train_dataset()``: once per process, right after. A map-style dataset (``len`` and
+       ``__getitem__``); one with ``get_batch(indices)`` (see :class:`cluster.data.TensorBatchDataset`) is
+       fetched a whole batch at a time.
+    3. At every (re)start of the process group, in this order: ``build_model()`` (after
+       ``torch.manual_seed(training.seed)``, so every rank builds the same weights; the worker moves it to
+       its device and wraps it in DDP), ``build_optimizer(model)`` (given the unwrapped model), then
+       ``build_scheduler(optimizer, total_steps)``. A checkpoint's state is loaded into all three afterwards.
+    4. Every optimizer step: ``move_to_device(batch, device)`` then ``compute_loss(ddp_model, batch)`` once per
+       micro-batch (``training.grad_accum_steps``). ``compute_loss`` returns the mean loss over the batch and
+       a dict of extra scalar metrics (floats or one-element tensors; ``{}`` for none): they are recorded in
+       the metrics Parquet as ``m_<name>``, per logged step and as the epoch's mean. The worker scales the
+       loss so that DDP's gradient average equals the gradient of the mean over the global batch.
+
+    A warm restart (a healthy worker kept after another rank failed) keeps the Task instance and its
+    dataset; the model, optimizer and scheduler are always built anew and loaded from the checkpoint, so
+    state kept on the Task between steps must not be needed for exact resume. The hot spare runs steps 1-2
+    ahead of time.
     """
 
     current: StepInfo | None = None
-    """The step being trained, for tasks that log or audit what they see."""
+    """The step being trained: None until this process trains its first step; set before every step's
+    ``compute_loss`` calls (its ``global_step`` is the step being computed); afterwards it keeps the last
+    step's value, also across a warm restart until the next step."""
 
     def __init__(self, **task_args: Any) -> None:
         self.args = task_args

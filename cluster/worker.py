@@ -1,26 +1,26 @@
 """The hand-written DDP worker: one process, one GPU (or CPU share). Plain Python, no Ray.
 
 Lifecycle, driven from outside (by the Ray actor in ``worker_group.py`` or by plain processes in tests):
-``bind_store`` (rank 0 only) -> ``setup`` (process group, task, DDP wrap, resume) -> ``run_epoch`` per epoch
-(the driver owns the epoch, so ``set_epoch`` cannot be forgotten) -> ``finish`` -> ``shutdown``.
-``progress`` is safe to call from another thread at any time: it is the hang heartbeat.
+``bind_store`` (rank 0 only) -> ``setup`` (process group, task, DDP wrap, resume: returns the
+:class:`TrainSession`) -> ``run_epoch`` per epoch (the driver owns the epoch, so ``set_epoch`` cannot be
+forgotten) -> ``finish`` -> ``shutdown``. ``reset`` ends the session but keeps the task and its dataset for a
+warm restart. ``heartbeat`` is safe to call from another thread at any time: it is the hang heartbeat.
 
 Determinism: every step reseeds the RNGs from (seed, global step, rank), and the sampler is a pure
-function of (seed, epoch, step). A checkpoint at step ``s`` therefore carries everything needed to continue
-exactly, and a resumed run is bitwise equal to an uninterrupted one at the same world size.
+function of (seed, epoch, step). A checkpoint at step ``s`` (weights plus :class:`TrainState`) therefore
+carries everything needed to continue exactly, and a resumed run is bitwise equal to an uninterrupted one at
+the same world size.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import socket
 import time
 import traceback
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -32,9 +32,61 @@ from cluster import dist as cdist
 from cluster.checkpoint import CheckpointStore, CheckpointWriter, CommitRecord, step_dir
 from cluster.config import FaultSpec, JobConfig, parse_fault_env
 from cluster.data import ResumableDistributedSampler, fetch_batch
-from cluster.errors import WorkerError
+from cluster.errors import CheckpointError, WorkerError
+from cluster.process import set_niceness, tune_process
 from cluster.storage import PROBE_ENV, Storage, check_probe
 from cluster.task import StepInfo, Task, build_task
+
+Scheduler = torch.optim.lr_scheduler.LRScheduler
+
+
+@dataclass
+class TrainState:
+    """Everything besides the weights that exact resume needs: ``train_state.pt`` of a checkpoint.
+
+    :meth:`state_dict` writes every field and :meth:`from_state_dict` reads every field back, so what is
+    saved and what is loaded cannot drift apart. The sampler needs no state of its own: it is a pure
+    function of (seed, epoch, step_in_epoch), and each step reseeds the RNGs from (seed, step, rank).
+    """
+
+    global_step: int
+    """Optimizer steps done."""
+    epoch: int
+    """The epoch to continue in (the next one when the checkpoint was taken at an epoch's end)."""
+    step_in_epoch: int
+    """Steps of ``epoch`` already done."""
+    world_size: int
+    """Ranks of the group that wrote it; a different world size resumes at the same global sample."""
+    seed: int
+    """training.seed of the run; resuming with another seed would change the data order mid-run."""
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any] | None
+
+    # Keys that checkpoints written by earlier versions carry and that resume does not need.
+    LEGACY_KEYS = frozenset({"sample_offset", "rng"})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any], where: str = "train_state.pt") -> TrainState:
+        names = {f.name for f in fields(cls)}
+        missing = names - set(state)
+        unknown = set(state) - names - cls.LEGACY_KEYS
+        if missing or unknown:
+            raise CheckpointError(
+                f"{where} does not hold a train state of this version: missing {sorted(missing)}, unknown "
+                f"{sorted(unknown)}. Resume with the version of cluster that wrote it, or start a new run name"
+            )
+        return cls(
+            global_step=int(state["global_step"]),
+            epoch=int(state["epoch"]),
+            step_in_epoch=int(state["step_in_epoch"]),
+            world_size=int(state["world_size"]),
+            seed=int(state["seed"]),
+            optimizer=state["optimizer"],
+            scheduler=state["scheduler"],
+        )
 
 
 @dataclass(frozen=True)
@@ -43,10 +95,15 @@ class ResumePoint:
     epoch: int
     step_in_epoch: int
     checkpoint_url: str | None
+    """The checkpoint loaded (its step folder), or None for a fresh start."""
+    world_size: int | None = None
+    """The world size of the group that wrote that checkpoint."""
 
 
 @dataclass
 class SetupInfo:
+    """What a rank reports once it is set up and ready to train."""
+
     rank: int
     world_size: int
     hostname: str
@@ -56,12 +113,32 @@ class SetupInfo:
     resume: ResumePoint
     skipped_checkpoints: list[tuple[int, str]]
     timings: dict[str, float]
+    """Unix time at the end of each setup phase, in order (start, process_group, task, ddp, checkpoint_load,
+    ready)."""
     node_id: str = ""
     """The Ray node the rank runs on (filled in by the Ray worker group)."""
     allocator: str = "system"
     """``tuned`` where scaling.tune_allocator took effect, else ``system`` or why not."""
     niceness: str = ""
     """The rank's scheduling niceness after scaling.worker_niceness, or why it could not be set."""
+
+
+@dataclass
+class TrainSession:
+    """What ``setup`` builds for one process group; ``reset`` drops it whole, the next ``setup`` rebuilds it."""
+
+    device: torch.device
+    backend: str
+    model: DDP
+    raw_model: nn.Module
+    """The unwrapped model: what a checkpoint's ``model.pt`` holds."""
+    optimizer: torch.optim.Optimizer
+    scheduler: Scheduler | None
+    sampler: ResumableDistributedSampler
+    store: CheckpointStore
+    writer: CheckpointWriter | None
+    """Rank 0's checkpoint writer; None on the other ranks."""
+    info: SetupInfo
 
 
 @dataclass
@@ -76,11 +153,14 @@ class EpochResult:
     first_step_at: float | None
     step_rows: list[dict[str, Any]] = field(default_factory=list)
     commits: list[CommitRecord] = field(default_factory=list)
-    extra: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    """This rank's mean over the epoch's steps of each extra metric ``Task.compute_loss`` returned."""
 
 
 @dataclass(frozen=True)
-class Progress:
+class Heartbeat:
+    """A rank's progress as the driver's hang watch sees it."""
+
     rank: int
     global_step: int
     last_step_at: float
@@ -102,17 +182,15 @@ class Worker:
         self.global_step = 0
         self.epoch = 0
         self.step_in_epoch = 0
+        self.session: TrainSession | None = None
         self._last_step_at = time.time()
         self._max_step_time = 0.0
         self._in_epoch = False
         self._store: dist.TCPStore | None = None
-        self._writer: CheckpointWriter | None = None
         self._task: Task | None = None
+        self._dataset: Any = None
         self.faults = self._faults()
-        threads = max(1, int(cfg.scaling.cpus_per_worker))
-        torch.set_num_threads(threads)
-        self.allocator = tune_allocator() if cfg.scaling.tune_allocator else "system"
-        set_niceness(cfg.scaling.worker_niceness)  # before the process group and task make their threads
+        self.allocator = tune_process(cfg)  # before the process group and task make their threads
 
     def _faults(self) -> list[FaultSpec]:
         faults = list(self.cfg.failures.inject)
@@ -121,105 +199,132 @@ class Worker:
             faults.append(parse_fault_env(env, self.cfg.scaling.num_workers))
         return [f for f in faults if f.rank == self.rank and f.attempt in (-1, self.attempt)]
 
+    @property
+    def task(self) -> Task:
+        """The task, built on first use and kept for the life of the process (warm restarts included)."""
+        if self._task is None:
+            self._task = build_task(self.cfg.task, self.cfg.task_args)
+            self._dataset = self._task.build_train_dataset()
+        return self._task
+
+    @property
+    def dataset(self) -> Any:
+        _ = self.task  # built together with the task
+        return self._dataset
+
     # ----------------------------------------------------------------- setup
     def bind_store(self) -> int:
         """Rank 0 only: bind the rendezvous store; return its port (the caller publishes host:port)."""
         self._store, port = cdist.bind_store(self.world_size, self.cfg.failures.process_group_timeout_s)
         return port
 
-    def setup(self, host: str, port: int) -> SetupInfo:
+    def setup(self, host: str, port: int) -> TrainSession:
+        """Join the process group, build model and optimizer, load the newest verified checkpoint."""
         t = {"start": time.time()}
         cfg = self.cfg
         if os.environ.get(PROBE_ENV):  # set by the driver: prove this node sees the driver's storage
             check_probe(Storage(self.run_url, cfg.storage.options), os.environ[PROBE_ENV])
-        self.device = cdist.pick_device(cfg.scaling.use_gpu)
+        device = cdist.pick_device(cfg.scaling.use_gpu)
         store = self._store if self.rank == 0 else None
         if store is None:
             store = cdist.connect_store(host, port, self.world_size, cfg.failures.process_group_timeout_s)
-        self.backend = cdist.init_process_group(
-            store, self.rank, self.world_size, self.device, cfg.failures.process_group_timeout_s
+        backend = cdist.init_process_group(
+            store, self.rank, self.world_size, device, cfg.failures.process_group_timeout_s
         )
         t["process_group"] = time.time()
 
-        if self._task is None:  # a warm restart keeps the task and its dataset
-            self._task = build_task(cfg.task, cfg.task_args)
-            self.dataset = self._task.build_train_dataset()
-        self.task: Task = self._task
+        task, dataset = self.task, self.dataset  # a warm restart keeps both
         torch.manual_seed(cfg.training.seed)  # identical init on every rank (DDP also broadcasts rank 0's)
-        model = self.task.build_model().to(self.device)
+        raw_model = task.build_model().to(device)
         t["task"] = time.time()
 
-        self.sampler = ResumableDistributedSampler(
-            len(self.dataset),
+        sampler = ResumableDistributedSampler(
+            len(dataset),
             cfg.training.global_batch_size,
             self.rank,
             self.world_size,
             seed=cfg.training.seed,
             max_steps_per_epoch=cfg.training.max_steps_per_epoch,
         )
-        self.raw_model: nn.Module = model
-        self.model = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        self.optimizer = self.task.build_optimizer(self.raw_model)
-        total_steps = self.sampler.steps_per_epoch * cfg.training.epochs
-        self.scheduler = self.task.build_scheduler(self.optimizer, total_steps)
+        model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None)
+        optimizer = task.build_optimizer(raw_model)
+        scheduler = task.build_scheduler(optimizer, sampler.steps_per_epoch * cfg.training.epochs)
         t["ddp"] = time.time()
 
-        self.store = CheckpointStore(Storage(self.run_url, cfg.storage.options))
+        ckpt_store = CheckpointStore(Storage(self.run_url, cfg.storage.options))
         crash_steps = {f.step for f in self.faults if f.kind == "crash_in_checkpoint"}
         if crash_steps:
-            self.store = _CrashingStore(self.store.storage, crash_steps)
-        resume, skipped = self._resume()
+            ckpt_store = _CrashingStore(ckpt_store.storage, crash_steps)
+        resume, skipped = self._resume(ckpt_store, raw_model, optimizer, scheduler)
         t["checkpoint_load"] = time.time()
+        writer = None
         if self.rank == 0:
-            self._writer = CheckpointWriter(self.store, cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
+            writer = CheckpointWriter(ckpt_store, cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
         dist.barrier()
         t["ready"] = time.time()
         self._last_step_at = time.time()
-        return SetupInfo(
+        info = SetupInfo(
             rank=self.rank,
             world_size=self.world_size,
             hostname=socket.gethostname(),
             pid=os.getpid(),
-            backend=self.backend,
-            steps_per_epoch=self.sampler.steps_per_epoch,
+            backend=backend,
+            steps_per_epoch=sampler.steps_per_epoch,
             resume=resume,
             skipped_checkpoints=skipped,
             timings=t,
             allocator=self.allocator,
-            niceness=set_niceness(self.cfg.scaling.worker_niceness),  # again: the group made its threads
+            niceness=set_niceness(cfg.scaling.worker_niceness),  # again: the group made its threads
         )
+        self.session = TrainSession(
+            device, backend, model, raw_model, optimizer, scheduler, sampler, ckpt_store, writer, info
+        )
+        return self.session
 
-    def _resume(self) -> tuple[ResumePoint, list[tuple[int, str]]]:
+    def _resume(
+        self,
+        store: CheckpointStore,
+        raw_model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Scheduler | None,
+    ) -> tuple[ResumePoint, list[tuple[int, str]]]:
         """Rank 0 picks the newest verified checkpoint; every rank loads that one step."""
         choice: list[Any] = [None, []]
+        files: dict[str, Any] | None = None
         if self.rank == 0:
-            loaded = self.store.load_latest()  # records what it passed over in store.last_skipped
-            choice = [loaded.info.step if loaded else None, list(self.store.last_skipped)]
+            loaded = store.load_latest()  # records what it passed over in store.last_skipped
+            choice = [loaded.info.step if loaded else None, list(store.last_skipped)]
             files = loaded.files if loaded else None
         dist.broadcast_object_list(choice, src=0)
         step, skipped = choice
         if step is None:
             return ResumePoint(0, 0, 0, None), skipped
-        if self.rank != 0:
-            files = self.store.load_step(step)
-        assert files is not None
-        self.raw_model.load_state_dict(files["model.pt"])
-        state = files["train_state.pt"]
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        self.global_step = int(state["global_step"])
-        self.epoch = int(state["epoch"])
-        self.step_in_epoch = int(state["step_in_epoch"])
-        return ResumePoint(
-            self.global_step, self.epoch, self.step_in_epoch, self.store.storage.url()
-        ), skipped
+        if files is None:
+            files = store.load_step(step)
+        url = store.storage.url(step_dir(step))
+        state = TrainState.from_state_dict(files["train_state.pt"], f"{url}/train_state.pt")
+        if state.seed != self.cfg.training.seed:
+            raise CheckpointError(
+                f"{url} was written with training.seed={state.seed}, this job has {self.cfg.training.seed}: "
+                "resuming would change the data order mid-run. Keep the seed, or choose a new run name"
+            )
+        raw_model.load_state_dict(files["model.pt"])
+        optimizer.load_state_dict(state.optimizer)
+        if scheduler is not None and state.scheduler is not None:
+            scheduler.load_state_dict(state.scheduler)
+        self.global_step, self.epoch, self.step_in_epoch = state.global_step, state.epoch, state.step_in_epoch
+        return ResumePoint(state.global_step, state.epoch, state.step_in_epoch, url, state.world_size), skipped
+
+    def _session(self) -> TrainSession:
+        if self.session is None:
+            raise RuntimeError("Worker.setup() must run before training (or again after reset())")
+        return self.session
 
     # ----------------------------------------------------------------- training
     def run_epoch(self, epoch: int, start_step: int) -> EpochResult:
         """Train epoch ``epoch`` from step ``start_step`` to its end; checkpoint as configured."""
         try:
-            return self._run_epoch(epoch, start_step)
+            return self._run_epoch(self._session(), epoch, start_step)
         except WorkerError:
             raise
         except Exception as exc:
@@ -229,30 +334,33 @@ class Worker:
         finally:
             self._in_epoch = False
 
-    def _run_epoch(self, epoch: int, start_step: int) -> EpochResult:
+    def _run_epoch(self, s: TrainSession, epoch: int, start_step: int) -> EpochResult:
         tcfg = self.cfg.training
         set_niceness(self.cfg.scaling.worker_niceness)  # threads Ray started since (a few syscalls)
-        self.sampler.set_epoch(epoch, start_step)
+        s.sampler.set_epoch(epoch, start_step)
         self.epoch, self.step_in_epoch = epoch, start_step
-        self.model.train()
+        s.model.train()
         self._in_epoch = True
         self._last_step_at = time.time()
         rows: list[dict[str, Any]] = []
         loss_sum = torch.zeros((), dtype=torch.float64)
+        metric_sums: dict[str, Any] = {}
         t_epoch = time.perf_counter()
         first_step_at = None
         steps = samples = 0
-        for local_idx in self.sampler:
+        for local_idx in s.sampler:
             self._maybe_inject_fault()
             t0 = time.perf_counter()
-            self._seed_step(_step_seed(tcfg.seed, self.global_step, self.rank))
+            self._seed_step(s, _step_seed(tcfg.seed, self.global_step, self.rank))
             self.task.current = StepInfo(epoch, self.global_step + 1, self.rank, self.world_size, self.attempt)
-            loss = self._train_step(local_idx)
+            loss, metrics = self._train_step(s, local_idx)
             self.global_step += 1
             self.step_in_epoch += 1
             steps += 1
             samples += tcfg.global_batch_size
             loss_sum += loss
+            for k, v in metrics.items():
+                metric_sums[k] = metric_sums.get(k, 0.0) + v
             dt = time.perf_counter() - t0
             now = time.time()
             if first_step_at is None:
@@ -260,16 +368,16 @@ class Worker:
             self._max_step_time = max(self._max_step_time, dt)
             self._last_step_at = now
             stall = 0.0
-            if self._checkpoint_due_at_step():
-                stall = self._checkpoint()
+            if self._checkpoint_due_at_step(s):
+                stall = self._checkpoint(s)
             if self.rank == 0 and (self.global_step % tcfg.log_every_steps == 0 or stall):
-                rows.append(self._step_row(loss, dt, stall, now))
+                rows.append(self._step_row(s, loss, metrics, dt, stall, now))
         if self._checkpoint_due_at_epoch_end(epoch):
-            self._checkpoint()
+            self._checkpoint(s)
         # One collective per epoch for the reported loss; nothing per step.
         totals = torch.tensor([float(loss_sum), float(steps)], dtype=torch.float64)
-        if self.device.type == "cuda":
-            totals = totals.to(self.device)
+        if s.device.type == "cuda":
+            totals = totals.to(s.device)
         dist.all_reduce(totals)
         mean_loss = float(totals[0]) / max(float(totals[1]), 1.0)
         return EpochResult(
@@ -282,61 +390,69 @@ class Worker:
             seconds=time.perf_counter() - t_epoch,
             first_step_at=first_step_at,
             step_rows=rows,
-            commits=self._writer.drain() if self._writer else [],
+            commits=s.writer.drain() if s.writer else [],
+            metrics={k: float(v) / max(steps, 1) for k, v in metric_sums.items()},
         )
 
-    def _seed_step(self, seed: int) -> None:
-        # The generators this rank uses, directly: torch.manual_seed also walks every backend (~90 us).
+    def _seed_step(self, s: TrainSession, seed: int) -> None:
+        # The generators this rank uses, directly: torch.manual_seed also walks every backend.
         torch.default_generator.manual_seed(seed)
-        if self.device.type == "cuda":
+        if s.device.type == "cuda":
             torch.cuda.manual_seed(seed)
 
-    def _train_step(self, local_idx: torch.Tensor) -> torch.Tensor:
-        """One optimizer step over this rank's share of the global batch; returns the detached mean loss."""
+    def _train_step(self, s: TrainSession, local_idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        """One optimizer step over this rank's share of the global batch. Returns the detached mean loss and
+        the mean of each extra metric ``compute_loss`` returned (tensors stay on the device: no sync here)."""
         tcfg = self.cfg.training
         chunks = [c for c in torch.tensor_split(local_idx, tcfg.grad_accum_steps) if len(c)]
         total = torch.zeros((), dtype=torch.float64)
+        metrics: dict[str, Any] = {}
         for i, chunk in enumerate(chunks):
-            batch = self.task.move_to_device(fetch_batch(self.dataset, chunk), self.device)
+            batch = self.task.move_to_device(fetch_batch(self.dataset, chunk), s.device)
             sync = i == len(chunks) - 1
-            with self.model.no_sync() if not sync else contextlib.nullcontext(), self._autocast():
-                loss, _ = self.task.compute_loss(self.model, batch)
+            with s.model.no_sync() if not sync else contextlib.nullcontext(), self._autocast(s):
+                loss, extra = self.task.compute_loss(s.model, batch)
                 # DDP averages over ranks: scaling by n*W/B makes that average the global-batch mean.
                 scale = len(chunk) * self.world_size / tcfg.global_batch_size
                 (loss * scale if scale != 1.0 else loss).backward()
             total += loss.detach().double().cpu() * len(chunk)
+            for k, v in _extra_metrics(extra).items():
+                metrics[k] = metrics.get(k, 0.0) + v * (len(chunk) / len(local_idx))
         if tcfg.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), tcfg.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.scheduler is not None:
-            self.scheduler.step()
-        return total / len(local_idx)
+            torch.nn.utils.clip_grad_norm_(s.model.parameters(), tcfg.grad_clip)
+        s.optimizer.step()
+        s.optimizer.zero_grad(set_to_none=True)
+        if s.scheduler is not None:
+            s.scheduler.step()
+        return total / len(local_idx), metrics
 
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+    def _autocast(self, s: TrainSession) -> contextlib.AbstractContextManager[Any]:
         if self.cfg.training.amp == "bf16":
-            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+            return torch.autocast(device_type=s.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _step_row(self, loss: torch.Tensor, dt: float, stall: float, now: float) -> dict[str, Any]:
+    def _step_row(
+        self, s: TrainSession, loss: torch.Tensor, metrics: dict[str, Any], dt: float, stall: float, now: float
+    ) -> dict[str, Any]:
         return {
             "time": now,
             "global_step": self.global_step,
             "epoch": self.epoch,
             "step_in_epoch": self.step_in_epoch,
             "loss": float(loss),
-            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "lr": float(s.optimizer.param_groups[0]["lr"]),
             "step_time_s": dt,
             "samples_per_s": self.cfg.training.global_batch_size / dt if dt > 0 else 0.0,
             "checkpoint_stall_s": stall,
             "world_size": self.world_size,
             "attempt": self.attempt,
+            **{f"m_{k}": float(v) for k, v in metrics.items()},
         }
 
     # ----------------------------------------------------------------- checkpoints
-    def _checkpoint_due_at_step(self) -> bool:
+    def _checkpoint_due_at_step(self, s: TrainSession) -> bool:
         every = self.cfg.checkpoint.every_steps
-        at_epoch_end = self.step_in_epoch == self.sampler.steps_per_epoch
+        at_epoch_end = self.step_in_epoch == s.sampler.steps_per_epoch
         return bool(every) and self.global_step % every == 0 and not at_epoch_end
 
     def _checkpoint_due_at_epoch_end(self, epoch: int) -> bool:
@@ -347,34 +463,36 @@ class Worker:
         )
         return last or by_steps or (bool(every) and (epoch + 1) % every == 0)
 
-    def _checkpoint(self) -> float:
-        """Rank 0 hands state to the writer (a host copy; the upload runs in the background)."""
-        if self.rank != 0 or self._writer is None:
-            return 0.0
-        at_end = self.step_in_epoch == self.sampler.steps_per_epoch
+    def train_state(self, s: TrainSession) -> TrainState:
+        """The train state at this point; at an epoch's end it points at the start of the next epoch."""
+        at_end = self.step_in_epoch == s.sampler.steps_per_epoch
         epoch, step_in_epoch = (self.epoch + 1, 0) if at_end else (self.epoch, self.step_in_epoch)
-        train_state = {
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "global_step": self.global_step,
-            "epoch": epoch,
-            "step_in_epoch": step_in_epoch,
-            "sample_offset": step_in_epoch * self.cfg.training.global_batch_size,
-            "world_size": self.world_size,
-            "seed": self.cfg.training.seed,
-            "rng": {"torch": torch.get_rng_state()},
-        }
-        meta = {"world_size": self.world_size, "step_in_epoch": step_in_epoch, "attempt": self.attempt}
-        stall = self._writer.save(
+        return TrainState(
+            global_step=self.global_step,
+            epoch=epoch,
+            step_in_epoch=step_in_epoch,
+            world_size=self.world_size,
+            seed=self.cfg.training.seed,
+            optimizer=s.optimizer.state_dict(),
+            scheduler=s.scheduler.state_dict() if s.scheduler is not None else None,
+        )
+
+    def _checkpoint(self, s: TrainSession) -> float:
+        """Rank 0 hands state to the writer (a host copy; the upload runs in the background)."""
+        if s.writer is None:
+            return 0.0
+        state = self.train_state(s)
+        meta = {"world_size": self.world_size, "step_in_epoch": state.step_in_epoch, "attempt": self.attempt}
+        stall = s.writer.save(
             self.global_step,
-            epoch,
+            state.epoch,
             meta,
-            {"model.pt": self.raw_model.state_dict(), "train_state.pt": train_state},
+            {"model.pt": s.raw_model.state_dict(), "train_state.pt": state.state_dict()},
         )
         self._last_step_at = time.time()
         return stall
 
-    # ----------------------------------------------------------------- faults, progress, teardown
+    # ----------------------------------------------------------------- faults, heartbeat, teardown
     def _maybe_inject_fault(self) -> None:
         next_step = self.global_step + 1
         for fault in self.faults:
@@ -388,45 +506,61 @@ class Worker:
             elif fault.kind == "raise":
                 raise RuntimeError(f"injected fault on rank {self.rank} at step {next_step}")
 
-    def progress(self) -> Progress:
-        return Progress(self.rank, self.global_step, self._last_step_at, self._max_step_time, self._in_epoch)
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(self.rank, self.global_step, self._last_step_at, self._max_step_time, self._in_epoch)
 
     def finish(self) -> list[CommitRecord]:
         """Flush the checkpoint in flight; return the commit records not yet reported."""
-        if self._writer is None:
+        writer = self.session.writer if self.session is not None else None
+        if writer is None:
             return []
-        self._writer.close(flush=True)
-        return self._writer.drain()
+        writer.close(flush=True)
+        return writer.drain()
 
     def shutdown(self) -> None:
-        if self._writer is not None:
-            self._writer.close(flush=False)
+        if self.session is not None and self.session.writer is not None:
+            self.session.writer.close(flush=False)
         cdist.destroy_process_group()
 
     def prepare(self) -> float:
         """Hot spare: load the task and dataset and pay DDP's one-time import now, not in a recovery."""
         t0 = time.time()
-        if self._task is None:
-            self._task = build_task(self.cfg.task, self.cfg.task_args)
-            self.dataset = self._task.build_train_dataset()
-        import torch._dynamo  # noqa: F401  (DistributedDataParallel.__init__ imports it: ~1 s once)
+        _ = self.task  # builds the task and its dataset
+        import torch._dynamo  # noqa: F401  (DistributedDataParallel.__init__ imports it once, slowly)
 
         return time.time() - t0
 
     def reset(self, rank: int, world_size: int, attempt: int) -> None:
-        """Warm restart: drop the process group and all training state, keep the task and its dataset.
-
-        Only valid once ``run_epoch`` has returned (a worker blocked in a collective must be killed)."""
+        """Warm restart: end the session (process group, model, optimizer, position), keep the task and its
+        dataset. Only valid once ``run_epoch`` has returned (a worker blocked in a collective must be killed)."""
         self.shutdown()
-        self._writer = None
+        self.session = None
         self._store = None
         self.rank, self.world_size, self.attempt = rank, world_size, attempt
         self.global_step = self.epoch = self.step_in_epoch = 0
         self._max_step_time = 0.0
         self._last_step_at = time.time()
         self.faults = self._faults()
-        for attr in ("model", "raw_model", "optimizer", "scheduler", "sampler"):
-            self.__dict__.pop(attr, None)
+
+
+def _extra_metrics(extra: Any) -> dict[str, Any]:
+    """The extra metrics of one ``compute_loss`` call: scalars as floats or detached 0-d tensors."""
+    if not isinstance(extra, dict):
+        raise TypeError(
+            f"Task.compute_loss must return (loss, dict of scalar metrics); the second item is a "
+            f"{type(extra).__name__}. Return an empty dict for no extra metrics"
+        )
+    out: dict[str, Any] = {}
+    for k, v in extra.items():
+        if isinstance(v, torch.Tensor):
+            if v.numel() != 1:
+                raise TypeError(f"Task.compute_loss metric {k!r} is a tensor of shape {tuple(v.shape)}, not a scalar")
+            out[str(k)] = v.detach().reshape(()).double()
+        elif isinstance(v, (int, float)):
+            out[str(k)] = float(v)
+        else:
+            raise TypeError(f"Task.compute_loss metric {k!r} is a {type(v).__name__}, not a number")
+    return out
 
 
 class _CrashingStore(CheckpointStore):
@@ -442,72 +576,3 @@ class _CrashingStore(CheckpointStore):
                 self.storage.write_bytes(f"{step_dir(step)}/{name}", data)
             os.kill(os.getpid(), signal.SIGKILL)
         return super().commit(step, files, meta)
-
-
-def set_niceness(value: int | None) -> str:
-    """Give every thread of this process niceness ``value`` (scaling.worker_niceness); returns the outcome.
-
-    Ray starts worker processes at niceness 15 (``RAY_worker_niceness``), so its raylet, GCS, agents and any
-    other process on the node preempt a training rank whenever they wake, and the other ranks wait for it at
-    the next all-reduce. Linux keeps niceness per thread and a new thread inherits its creator's, so all of
-    ``/proc/self/task`` is set (again after the process group made its threads). Lowering niceness needs
-    CAP_SYS_NICE; without it the ranks stay where Ray put them and the result says what to set.
-    """
-    if value is None:
-        return "ray's"
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        tids = [0]  # no /proc (macOS): the whole process
-    denied = False
-    for tid in tids:
-        try:
-            if os.getpriority(os.PRIO_PROCESS, tid) != value:
-                os.setpriority(os.PRIO_PROCESS, tid, value)
-        except PermissionError:
-            denied = True
-        except OSError:
-            continue  # the thread exited meanwhile
-    now = os.getpriority(os.PRIO_PROCESS, 0)
-    if denied:
-        return (f"{now} (not permitted to set scaling.worker_niceness={value}: start Ray with "
-                f"RAY_worker_niceness={value}, or give the workers CAP_SYS_NICE)")
-    return str(now)
-
-
-# glibc ``mallopt`` parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-ALLOCATOR_SETTINGS = ((_M_MMAP_THRESHOLD, 256 << 20), (_M_TRIM_THRESHOLD, 1 << 30), (_M_TOP_PAD, 64 << 20))
-
-
-def tune_allocator() -> str:
-    """Stop glibc's malloc from handing freed memory back to the kernel between steps.
-
-    By default glibc serves large blocks (above a threshold that adapts up to 32 MiB) with fresh ``mmap``s and
-    trims the heap's top as soon as 128 KiB of it is free. A training step allocates and frees the same
-    activations and gradients every time, so each step faults them back in: about a thousand minor page
-    faults per step on the benchmark's small model, 5-10% of a CPU step. With a 256 MiB mmap threshold and a
-    1 GiB trim threshold the memory freed at the end of a step is reused by the next one (no faults); the
-    process keeps its peak heap instead of shrinking between steps. Process-wide and permanent, so it is
-    only ever called in a worker process. Returns ``tuned``, or why it was not.
-    """
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return "system (no mallopt: not glibc)"
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    failed = [param for param, value in ALLOCATOR_SETTINGS if mallopt(param, value) != 1]
-    return "tuned" if not failed else f"system (mallopt refused {failed})"
-
-
-@contextlib.contextmanager
-def worker_env(cfg: JobConfig) -> Iterator[None]:
-    """Environment a worker process needs before torch starts threads or sockets."""
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, int(cfg.scaling.cpus_per_worker))))
-    os.environ.update(cfg.scaling.env)
-    if cfg.scaling.socket_ifname:
-        os.environ["GLOO_SOCKET_IFNAME"] = cfg.scaling.socket_ifname
-        os.environ["NCCL_SOCKET_IFNAME"] = cfg.scaling.socket_ifname
-    yield

@@ -1,12 +1,14 @@
 """Ray side of the workers: placement group, one actor per rank, rendezvous, start, poll, kill.
 
 The actor is a thin wrapper over :class:`cluster.worker.Worker`. It runs with ``max_concurrency=2`` so
-the driver's heartbeat call (``progress``) is answered while ``run_epoch`` is busy training.
+the driver's heartbeat call (``heartbeat``) is answered while ``run_epoch`` is busy training.
+It implements :class:`cluster.group.WorkerGroup`, the driver's only view of it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import socket
 import time
@@ -18,9 +20,14 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster.checkpoint import CommitRecord
 from cluster.config import JobConfig
 from cluster.errors import ConfigError, Failure, ResourcesUnavailableError, WorkerError
-from cluster.worker import EpochResult, Progress, SetupInfo, Worker, worker_env
+from cluster.group import Salvage
+from cluster.process import worker_env
+from cluster.worker import EpochResult, Heartbeat, SetupInfo, Worker
+
+logger = logging.getLogger(__name__)
 
 
 class _WorkerActor:
@@ -39,15 +46,15 @@ class _WorkerActor:
         return ray.util.get_node_ip_address(), self.worker.bind_store()
 
     def setup(self, host: str, port: int) -> SetupInfo:
-        return self.worker.setup(host, port)
+        return self.worker.setup(host, port).info
 
     def run_epoch(self, epoch: int, start_step: int) -> EpochResult:
         return self.worker.run_epoch(epoch, start_step)
 
-    def progress(self) -> Progress:
-        return self.worker.progress()
+    def heartbeat(self) -> Heartbeat:
+        return self.worker.heartbeat()
 
-    def finish(self) -> list[Any]:
+    def finish(self) -> list[CommitRecord]:
         return self.worker.finish()
 
     def shutdown(self) -> None:
@@ -210,10 +217,10 @@ class RayWorkerGroup:
             return None
         return list(ray.get(self._pending))
 
-    def progress(self, timeout: float = 2.0) -> list[Progress | None]:
-        refs = [a.progress.remote() for a in self.actors]
+    def heartbeats(self, timeout: float = 2.0) -> list[Heartbeat | None]:
+        refs = [a.heartbeat.remote() for a in self.actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-        out: list[Progress | None] = []
+        out: list[Heartbeat | None] = []
         for ref in refs:
             try:
                 out.append(ray.get(ref) if ref in ready else None)
@@ -221,7 +228,7 @@ class RayWorkerGroup:
                 out.append(None)
         return out
 
-    def finish(self) -> list[Any]:
+    def finish(self) -> list[CommitRecord]:
         return list(self._get([self.actors[0].finish.remote()], self.cfg.failures.process_group_timeout_s)[0])
 
     def classify(self, exc: BaseException) -> Failure:
@@ -274,7 +281,7 @@ class RayWorkerGroup:
             return not _port_open(node["NodeManagerAddress"], int(node["NodeManagerPort"]))
         return False
 
-    def salvage(self, failure: Failure, attempt: int) -> dict[str, Any] | None:
+    def salvage(self, failure: Failure, attempt: int) -> Salvage | None:
         """For a warm restart: reset the workers whose epoch call has returned (they are idle and
         healthy) and hand them over with the placement group; kill the rest. None when nothing is kept."""
         if not self.cfg.failures.warm_restart or failure.kind not in ("worker_died", "user_error"):
@@ -296,27 +303,26 @@ class RayWorkerGroup:
         if resets:
             ready, _ = ray.wait(list(resets.values()), num_returns=len(resets), timeout=3.0)
             for r, ref in resets.items():
+                if ref not in ready:
+                    logger.warning("rank %d did not reset within 3 s: not kept for the warm restart", r)
+                    continue
                 try:
-                    if ref in ready:
-                        ray.get(ref)
-                        kept[r] = actors[r]
-                except Exception:
-                    pass
+                    ray.get(ref)
+                    kept[r] = actors[r]
+                except Exception as exc:
+                    logger.warning("rank %d could not be reset, not kept for the warm restart: %s", r, _short(exc))
         self._kill_spare()
         for r, actor in actors.items():
             if r not in kept:
-                try:
-                    ray.kill(actor, no_restart=True)
-                except Exception:
-                    pass
+                _kill(actor, f"rank {r}")
         if not kept:
             remove_placement_group(self.pg)
             self.pg = None
             self.actors = []
             return None
-        token = {"pg": self.pg, "actors": kept}
+        salvage = Salvage(resources=self.pg, actors=kept)
         self.pg, self.actors = None, []
-        return token
+        return salvage
 
     def spare_ready(self) -> float | None:
         """The seconds the hot spare took to prepare, once it has; None while it prepares or with no spare."""
@@ -333,21 +339,21 @@ class RayWorkerGroup:
             return False
         try:
             ray.get(ready[0])
-        except Exception:
+        except Exception as exc:
+            logger.warning("the hot spare failed to prepare; a dead rank gets a new process instead: %s",
+                           _short(exc))
+            self._kill_spare()
             return False
         return True
 
     def _kill_spare(self) -> None:
         if self.spare is not None:
-            try:
-                ray.kill(self.spare, no_restart=True)
-            except Exception:
-                pass
+            _kill(self.spare, "the hot spare")
             self.spare = None
 
-    def adopt(self, token: dict[str, Any]) -> None:
-        self.pg = token["pg"]
-        self._adopted = dict(token["actors"])
+    def adopt(self, salvage: Salvage) -> None:
+        self.pg = salvage.resources
+        self._adopted = dict(salvage.actors)
 
     def shutdown(self, graceful: bool) -> None:
         """Graceful: destroy process groups and stop actors. Otherwise kill at once (a survivor may be
@@ -356,25 +362,22 @@ class RayWorkerGroup:
         if graceful and self.actors:
             try:
                 ray.get([a.shutdown.remote() for a in self.actors], timeout=10)
-            except Exception:
-                pass
-        for actor in self.actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:
-                pass
+            except Exception as exc:  # killed below either way
+                logger.warning("graceful shutdown of the workers failed, killing them: %s", _short(exc))
+        for rank, actor in enumerate(self.actors):
+            _kill(actor, f"rank {rank}")
         self.actors = []
         if self.pg is not None:
             try:
                 remove_placement_group(self.pg)
-            except Exception:
-                pass
+            except Exception as exc:
+                logger.warning("could not remove the placement group (Ray frees it with the job): %s", _short(exc))
             self.pg = None
 
 
 # The modules a worker runs; the operator tools (inspect, __main__) do not change what trains.
-_TRAINING_MODULES = ("checkpoint.py", "config.py", "data.py", "dist.py", "errors.py", "storage.py", "task.py",
-                     "worker.py", "worker_group.py")
+_TRAINING_MODULES = ("checkpoint.py", "config.py", "data.py", "dist.py", "errors.py", "group.py", "process.py",
+                     "storage.py", "task.py", "worker.py", "worker_group.py")
 
 
 @cache
@@ -413,6 +416,14 @@ def _collateral(message: str) -> bool:
 def _fmt(res: dict[str, float]) -> str:
     keep = {k: v for k, v in res.items() if not k.startswith(("node:", "memory", "object_store"))}
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(keep.items())) + "}"
+
+
+def _kill(actor: Any, what: str) -> None:
+    """``ray.kill`` that logs instead of raising: an actor already gone is what we wanted."""
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception as exc:
+        logger.info("ray.kill of %s: %s", what, _short(exc))
 
 
 def _port_open(host: str, port: int, timeout: float = 0.5) -> bool:

@@ -18,7 +18,7 @@ def make_table(rows: int, features: int = 16, classes: int = 4, seed: int = 0) -
     centers = rng.normal(0, 1.5, size=(classes, features))
     labels = rng.integers(0, classes, size=rows)
     x = centers[labels] + rng.normal(0, 1.0, size=(rows, features))
-    cols = {f"f{i}": x[:, i].astype(np.float32) for i in range(features)}
+    cols: dict[str, np.ndarray] = {f"f{i}": x[:, i].astype(np.float32) for i in range(features)}
     cols["label"] = labels.astype(np.int64)
     cols["id"] = np.arange(rows, dtype=np.int64)
     return pa.table(cols)

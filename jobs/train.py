@@ -22,6 +22,7 @@ Exit status: 0 when training finished (or was already finished), 1 on a failed r
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--result-json", help="also write the result object as JSON to this local file")
     args = p.parse_args(argv)
+    # The package's warnings (a swallowed error and its reason) on stderr; progress lines stay on stdout.
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:

@@ -71,7 +71,8 @@ class CharTransformer(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
         x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
-        x = self.blocks(x, mask=self.mask[:t, :t], is_causal=True)
+        mask: torch.Tensor = self.mask  # type: ignore[assignment]  # a registered buffer
+        x = self.blocks(x, mask=mask[:t, :t], is_causal=True)
         return self.head(self.norm(x))
 
 

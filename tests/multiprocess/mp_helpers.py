@@ -40,7 +40,8 @@ def _entry(rank: int, world: int, cfg: JobConfig, run_url: str, plan: list[tuple
                 port_q.put(port)
         else:
             port = port_q.get(timeout=60)
-        info = worker.setup("127.0.0.1", port)
+        session = worker.setup("127.0.0.1", port)
+        info = session.info
         result: dict[str, Any] = {"resume": info.resume, "epochs": []}
         if grads:
             result["grads"] = one_backward(worker)
@@ -50,7 +51,7 @@ def _entry(rank: int, world: int, cfg: JobConfig, run_url: str, plan: list[tuple
             r = worker.run_epoch(epoch, start)
             result["epochs"].append((r.epoch, r.global_step, r.loss))
         worker.finish()
-        result["params"] = {k: v.detach().clone() for k, v in worker.raw_model.state_dict().items()}
+        result["params"] = {k: v.detach().clone() for k, v in session.raw_model.state_dict().items()}
         torch.save(result, f"{out}/rank{rank}.pt")
         worker.shutdown()
     except BaseException:
@@ -68,13 +69,15 @@ def _entry(rank: int, world: int, cfg: JobConfig, run_url: str, plan: list[tuple
 
 def one_backward(worker: Worker) -> dict[str, torch.Tensor]:
     """Gradients after one DDP backward on this rank's share (all-reduced by DDP)."""
-    worker.sampler.set_epoch(0, 0)
-    idx = next(iter(worker.sampler))
+    s = worker.session
+    assert s is not None
+    s.sampler.set_epoch(0, 0)
+    idx = next(iter(s.sampler))
     batch = fetch_batch(worker.dataset, idx)
-    loss, _ = worker.task.compute_loss(worker.model, batch)
+    loss, _ = worker.task.compute_loss(s.model, batch)
     loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in worker.raw_model.named_parameters() if p.grad is not None}
-    worker.optimizer.zero_grad(set_to_none=True)
+    grads = {n: p.grad.detach().clone() for n, p in s.raw_model.named_parameters() if p.grad is not None}
+    s.optimizer.zero_grad(set_to_none=True)
     return grads
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from cluster import load_config, train
 from cluster.checkpoint import CheckpointStore, step_dir
+from cluster.metrics import read_metrics
 from cluster.storage import Storage
 from jobs.make_tabular import write
 from tests.storage_fixtures import MotoS3
@@ -66,7 +67,8 @@ def test_tabular_task_reads_parquet_from_s3(ray_local: None, tmp_path: Any, moto
     write(data, rows=2000, files=2, storage_options=moto_s3.options)
     cfg = load_config(
         "jobs/configs/tabular_cpu.yaml",
-        [f"storage={tmp_path}/runs", f"task_args.dataset={data}", "epochs=2", "task_args.hidden=32", "task_args.lr=0.01"],
+        [f"storage={tmp_path}/runs", f"task_args.dataset={data}", "epochs=2", "task_args.hidden=32", "task_args.lr=0.01",
+         "training.log_every_steps=1"],
     )
     cfg.task_args["storage_options"] = moto_s3.options
     result = train(cfg)
@@ -74,6 +76,14 @@ def test_tabular_task_reads_parquet_from_s3(ray_local: None, tmp_path: Any, moto
     assert result.global_step == 2 * (2000 // 256)
     assert result.global_step == 14  # 2000 rows read from S3: 7 steps of 256 per epoch
     assert result.metrics["loss"] < 1.3  # learnable data: below chance, ln(4)=1.386
+    # the task's extra metric (compute_loss's dict) is recorded: per step, and as each epoch's mean of its steps
+    rows = read_metrics(Storage(result.run_url)).to_pylist()
+    for epoch in (0, 1):
+        steps = [r["m_acc"] for r in rows if r["kind"] == "step" and r["epoch"] == epoch]
+        (mean,) = [r["m_acc"] for r in rows if r["kind"] == "epoch" and r["epoch"] == epoch]
+        assert len(steps) == 7 and all(0.0 <= a <= 1.0 for a in steps)
+        assert mean == pytest.approx(sum(steps) / len(steps), rel=1e-9)
+    assert result.metrics["acc"] == mean and mean > 0.25  # above chance for 4 classes
 
 
 @pytest.mark.timeout(240)

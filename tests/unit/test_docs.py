@@ -1,10 +1,13 @@
-"""The README's configuration reference is generated from the config's field docs and cannot drift."""
+"""The README's configuration reference is generated from the config's field docs and cannot drift; the
+README's and docs/'s links, config keys, commands and metrics table stay true to the code."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -12,6 +15,7 @@ import pytest
 
 from cluster import docs
 from cluster.config import JobConfig, field_docs
+from cluster.metrics import SCHEMA
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 README = os.path.join(REPO, "README.md")
@@ -81,3 +85,90 @@ def test_docs_config_command_prints_and_writes_the_block(tmp_path: pathlib.Path)
     )
     assert out.returncode == 0, out.stderr
     assert copy.read_text() == _readme()
+
+
+# --- README.md and docs/*.md: links, names and schema they quote ----------------------------------------
+
+DOCS = os.path.join(REPO, "docs")
+_FENCE = re.compile(r"^```.*?^```", flags=re.M | re.S)
+_CODE = re.compile(r"`([^`\n]+)`")
+_LINK = re.compile(r"\[[^\]\n]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_REF_LINK = re.compile(r"^\s*\[[^\]\n]+\]:\s*<?(\S+?)>?(?:\s+\"[^\"]*\")?\s*$", flags=re.M)
+_CONFIG_KEY = re.compile(r"(?<![\w./-])((?:storage|scaling|training|checkpoint|failures)\.[a-z_]+)")
+_PYTHON_M = re.compile(r"python3? -m ([A-Za-z_][\w.]*)")
+
+
+def _pages() -> list[str]:
+    """README.md and every docs page."""
+    return [README, *sorted(str(p) for p in pathlib.Path(DOCS).glob("*.md"))]
+
+
+def _read(path: str) -> str:
+    with open(path) as fh:
+        return fh.read()
+
+
+def broken_links(text: str, base_dir: str) -> list[str]:
+    """The relative link targets of markdown ``text`` (inline and reference links, outside code) that name no
+    existing file or folder when resolved from ``base_dir``. URLs and same-page anchors are not checked."""
+    prose = _CODE.sub("", _FENCE.sub("", text))
+    targets = _LINK.findall(prose) + _REF_LINK.findall(prose)
+    broken = []
+    for target in targets:
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+            continue  # http(s)://, mailto:, ...; an anchor on the same page
+        path = target.split("#", 1)[0].split("?", 1)[0]
+        if not os.path.exists(os.path.normpath(os.path.join(base_dir, path))):
+            broken.append(target)
+    return broken
+
+
+def test_link_checker_finds_broken_links(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "there.md").write_text("x")
+    text = (
+        "[ok](there.md) [anchor](there.md#a) [web](https://example.com/x.md) [self](#top)\n"
+        "[gone](missing.md) [up](../nowhere/README.md#x)\n[ref]: gone-too.md\n"
+        "`[in code](ignored.md)`\n```\n[in a block](ignored-too.md)\n```\n"
+    )
+    assert broken_links(text, str(tmp_path)) == ["missing.md", "../nowhere/README.md#x", "gone-too.md"]
+
+
+@pytest.mark.parametrize("page", _pages(), ids=lambda p: os.path.relpath(p, REPO))
+def test_relative_links_point_at_existing_files(page: str) -> None:
+    broken = broken_links(_read(page), os.path.dirname(page))
+    assert broken == [], f"{os.path.relpath(page, REPO)} links to files that do not exist"
+
+
+def test_readme_links_every_docs_page() -> None:
+    readme = _read(README)
+    pages = sorted(p.name for p in pathlib.Path(DOCS).glob("*.md"))
+    assert pages, "docs/ has no pages"
+    assert [p for p in pages if f"](docs/{p})" not in readme] == []
+
+
+@pytest.mark.parametrize("page", _pages(), ids=lambda p: os.path.relpath(p, REPO))
+def test_config_keys_and_modules_named_in_docs_exist(page: str) -> None:
+    text = _read(page)
+    keys = {key for key, *_ in field_docs()}
+    named = {m for span in _CODE.findall(text) for m in _CONFIG_KEY.findall(span)}
+    assert named - keys == set(), f"{os.path.relpath(page, REPO)} names config keys that do not exist"
+    modules = set(_PYTHON_M.findall(text))
+    missing = {m for m in modules if importlib.util.find_spec(m) is None}
+    assert missing == set(), f"{os.path.relpath(page, REPO)} runs `python -m` on modules that do not exist"
+
+
+def test_readme_test_command_is_what_ci_runs() -> None:
+    with open(os.path.join(REPO, ".ci", "run")) as fh:
+        lines = fh.read().splitlines()
+    command = [line for line in lines if line.strip() and not line.startswith(("#", "set ", "cd "))]
+    assert len(command) == 1, command
+    assert f"```bash\n{command[0]}\n```" in _read(README)
+
+
+def test_docs_metrics_table_matches_schema() -> None:
+    text = _read(os.path.join(DOCS, "runs.md"))
+    start = text.index("| kind | string |")
+    block = text[start : text.index("\n\n", start)]
+    rows = re.findall(r"^\| (\w+) \| (\w+) \|", block, flags=re.M)
+    assert [(n, str(SCHEMA.field(n).type)) for n, _ in rows] == [(f.name, str(f.type)) for f in SCHEMA]
+    assert "`m_<key>`" in text  # the extra metrics' columns are documented next to the fixed ones

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import io
+import logging
 import uuid
 from typing import Any
 
 import pytest
+import torch
 
+from cluster.checkpoint import CheckpointStore, CommitRecord, serialize, step_dir
 from cluster.config import FailureConfig, JobConfig, load_config
-from cluster.driver import Driver, FailurePolicy, State
+from cluster.driver import Driver, Failed, FailurePolicy, Running, Starting
 from cluster.errors import Failure, ResourcesUnavailableError, TrainingFailedError, WorkerError
-from cluster.worker import EpochResult, Progress, ResumePoint, SetupInfo
+from cluster.group import Salvage
+from cluster.metrics import read_metrics
+from cluster.worker import EpochResult, Heartbeat, ResumePoint, SetupInfo
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -70,10 +75,10 @@ class ScriptedGroup:
         return [EpochResult(r, self.epoch, gs, steps, steps * 8, 1.0 / (self.epoch + 1), 0.01, 1.0)
                 for r in range(self.world_size)]
 
-    def progress(self, timeout: float = 2.0) -> list[Any]:
-        return [Progress(r, self.epoch * STEPS + 1, 0.0, 0.01, True) for r in range(self.world_size)]
+    def heartbeats(self, timeout: float = 2.0) -> list[Heartbeat | None]:
+        return [Heartbeat(r, self.epoch * STEPS + 1, 0.0, 0.01, True) for r in range(self.world_size)]
 
-    def finish(self) -> list[Any]:
+    def finish(self) -> list[CommitRecord]:
         self.calls.append("finish")
         return []
 
@@ -88,10 +93,10 @@ class ScriptedGroup:
     def available_for(self, n: int) -> bool:
         return self.world_size + n <= self.capacity[0]
 
-    def salvage(self, failure: Failure, attempt: int) -> Any:
+    def salvage(self, failure: Failure, attempt: int) -> Salvage | None:
         return None
 
-    def adopt(self, token: Any) -> None:
+    def adopt(self, salvage: Salvage) -> None:
         raise AssertionError("nothing was salvaged")
 
     def shutdown(self, graceful: bool) -> None:
@@ -115,10 +120,10 @@ def kinds(driver: Driver) -> list[str]:
 
 def test_clean_run_walks_the_states_and_finishes() -> None:
     driver, _ = make({})
-    assert driver.state is State.STARTING
+    assert isinstance(driver.state, Starting)
     driver._prepare_storage()
-    driver._step()
-    assert driver.state is State.RUNNING
+    state = driver._step(driver._initial_state())
+    assert isinstance(state, Running) and (state.epoch, state.start_step, state.dispatched_at) == (0, 0, None)
     driver, _ = make({})
     result = driver.run()
     assert result.status == "finished" and result.global_step == 3 * STEPS and result.attempts == 1
@@ -146,7 +151,7 @@ def test_same_user_error_at_same_step_twice_fails_fast() -> None:
     driver, _ = make({0: [err], 1: [err], 2: [err]}, ["failures.max_failures=10"])
     with pytest.raises(TrainingFailedError, match="happened twice at step 3"):
         driver.run()
-    assert driver.state is State.FAILED
+    assert isinstance(driver.state, Failed) and isinstance(driver.state.error, TrainingFailedError)
     assert len(ScriptedGroup.instances) == 2
 
 
@@ -265,3 +270,94 @@ def test_no_niceness_warning_at_normal_priority() -> None:
     driver, _ = make({})
     assert driver.run().status == "finished"
     assert "niceness" not in driver.out.getvalue()  # type: ignore[attr-defined]
+
+
+def transitions(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage().split(" (")[0].removeprefix("state ") for r in caplog.records
+            if r.name == "cluster.driver" and r.getMessage().startswith("state ")]
+
+
+def test_every_transition_goes_through_one_place_and_states_carry_their_data(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="cluster.driver")
+    driver, _ = make({0: ["ok", Failure("worker_died", 1, "worker_died:rank 1 died")]}, resume={1: 6})
+    assert driver.run().status == "finished"
+    assert transitions(caplog) == [
+        "starting -> starting", "starting -> running", "running -> running",  # epoch 0, then epoch 1 fails
+        "running -> recovering", "recovering -> starting", "starting -> running",  # resumed at epoch 1 step 2
+        "running -> running", "running -> finishing", "finishing -> finished",
+    ]
+    described = [r.getMessage() for r in caplog.records if "recovering from" in r.getMessage()]
+    assert described and "worker_died (rank 1)" in described[0]  # the Recovering state holds its failure
+    recovered = next(e for e in driver.events.records() if e["event"] == "recovered")
+    assert recovered["kind"] == "worker_died" and recovered["lost_steps"] == 0
+
+
+def test_growing_back_is_a_transition_of_its_own(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="cluster.driver")
+    driver, cap = make({}, ["scaling.min_workers=1"], capacity=1, resume={1: STEPS})
+    original_factory = driver.group_factory
+
+    def factory(cfg: JobConfig, url: str, attempt: int) -> Any:
+        group = original_factory(cfg, url, attempt)
+        if attempt == 0:
+            def joined(n: int) -> bool:  # a node joins while the first epoch trains
+                cap[0] = 2
+                return True
+
+            group.available_for = joined  # type: ignore[method-assign]
+        return group
+
+    driver.group_factory = factory
+    assert driver.run().status == "finished"
+    assert "running -> resizing" in transitions(caplog) and "resizing -> starting" in transitions(caplog)
+    first, second = ScriptedGroup.instances
+    assert first.calls == ["epoch0@0", "finish"] and first.shut is True  # flushed, then stopped gracefully
+    assert second.world_size == 2 and second.calls[0] == "epoch1@0"
+
+
+def _commit_final(driver: Driver, step: int, epoch: int, corrupt: bool = False) -> None:
+    store = CheckpointStore(driver.storage)
+    store.commit(step, {"model.pt": serialize({"w": torch.zeros(2)})}, {"epoch": epoch})
+    if corrupt:
+        driver.storage.write_bytes(f"{step_dir(step)}/model.pt", b"torn")
+
+
+def test_already_complete_is_decided_once_before_any_worker_starts() -> None:
+    driver, _ = make({})
+    _commit_final(driver, 3 * STEPS, 3)
+    result = driver.run()
+    assert result.status == "finished" and result.global_step == 3 * STEPS and result.epochs_completed == 3
+    assert ScriptedGroup.instances == []  # no group was ever created
+    assert kinds(driver) == ["run_start", "already_complete"]
+
+
+def test_a_final_checkpoint_that_does_not_verify_means_training_runs() -> None:
+    driver, _ = make({})
+    _commit_final(driver, 3 * STEPS, 3, corrupt=True)
+    assert driver.run().status == "finished"
+    assert len(ScriptedGroup.instances) == 1 and "already_complete" not in kinds(driver)
+
+
+def test_extra_metrics_reach_the_parquet_and_the_result() -> None:
+    driver, _ = make({})
+    original_poll = ScriptedGroup.poll
+
+    def poll(self: ScriptedGroup, timeout: float) -> list[EpochResult] | None:
+        results = original_poll(self, timeout)
+        for r in results or []:
+            r.metrics = {"acc": 0.25 * (r.epoch + 1)}
+            r.step_rows = [{"time": 1.0 + r.epoch, "global_step": r.global_step, "epoch": r.epoch, "loss": 1.0,
+                            "lr": 0.1, "m_acc": 0.5}]
+        return results
+
+    ScriptedGroup.poll = poll  # type: ignore[method-assign]
+    try:
+        result = driver.run()
+    finally:
+        ScriptedGroup.poll = original_poll  # type: ignore[method-assign]
+    assert result.metrics["acc"] == 0.75
+    rows = read_metrics(driver.storage).to_pylist()
+    assert [r["m_acc"] for r in rows if r["kind"] == "epoch"] == [0.25, 0.5, 0.75]
+    assert [r["m_acc"] for r in rows if r["kind"] == "step"] == [0.5] * 3

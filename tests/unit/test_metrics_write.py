@@ -52,3 +52,14 @@ def test_writing_metrics_does_not_import_pandas(tmp_path) -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, check=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_extra_metric_columns_are_float64_and_files_with_other_columns_read_together(tmp_path) -> None:
+    storage = Storage(str(tmp_path))
+    write_metrics(storage, [_row(0, m_acc=0.5), _row(1)], epoch=0, attempt=0)  # a step without the metric
+    write_metrics(storage, [_row(2, m_top5=0.9)], epoch=1, attempt=0)  # another task's metric
+    table = read_metrics(storage)
+    assert table.schema.names == [*SCHEMA.names, "m_acc", "m_top5"]
+    assert str(table.schema.field("m_acc").type) == "double"
+    rows = table.to_pylist()
+    assert [(r["m_acc"], r["m_top5"]) for r in rows] == [(0.5, None), (None, None), (None, 0.9)]

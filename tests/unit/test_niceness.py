@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(not os.path.isdir("/pr
 
 PROBE = textwrap.dedent("""
     import json, os, sys, threading
-    from cluster.worker import set_niceness
+    from cluster.process import set_niceness
 
     stop = threading.Event()
     thread = threading.Thread(target=stop.wait)  # made before: inherits 15

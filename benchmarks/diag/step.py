@@ -1,13 +1,13 @@
 """Where does the product's per-step time go? The product's own ``cluster.worker.Worker`` without Ray.
 
-    RAY_AUTH_MODE=disabled .venv/bin/python -m benchmarks.diag_step [--epochs 2] [--repeats 2]
+    RAY_AUTH_MODE=disabled .venv/bin/python -m benchmarks.diag.step [--epochs 2] [--repeats 2]
 
 Runs the same 2-worker CPU workload as ``bench_ddp`` (no Ray anywhere) three ways, interleaved:
 
   bare            the hand-written loop of the bare-DDP arm (benchmarks/_loop.py), main thread
   worker-main     the product's Worker (setup, run_epoch per epoch, finish), called from the main thread
-  worker-thread   the same, but run_epoch called from a second thread, as in the product's Ray actor
-                  (max_concurrency=2 runs actor methods on a thread pool)
+  worker-thread   the same, but run_epoch called from a second thread, as the product's Ray actor calls it
+                  (its methods run on a thread pool, so heartbeats are answered mid-epoch)
 
 and prints the median interval between rank 0's optimizer steps. If worker-main is close to bare, the
 product's worker code is not the cost and the difference seen in bench_ddp comes from where it runs.
@@ -33,7 +33,8 @@ from benchmarks.bench_ddp import REPO, TASK_ARGS, _read_steplog
 
 def _worker_entry(rank: int, world: int, work: str, epochs: int, threaded: bool) -> None:
     from cluster import load_config
-    from cluster.worker import Worker, worker_env
+    from cluster.process import worker_env
+    from cluster.worker import Worker
 
     cfg = load_config(os.path.join(REPO, "jobs/configs/tiny_cpu.yaml"),
                       ["name=diag", f"storage={work}/runs", f"training.epochs={epochs}", "training.log_every_steps=1",
@@ -90,7 +91,7 @@ def run_one(mode: str, epochs: int) -> float:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            spec = {"task": "jobs.tasks.charlm:CharLMTask", "task_args": TASK_ARGS, "seed": 0, "global_batch": 64,
+            spec: dict[str, Any] = {"task": "jobs.tasks.charlm:CharLMTask", "task_args": TASK_ARGS, "seed": 0, "global_batch": 64,
                     "epochs": epochs, "ckpt_every_steps": 25, "ckpt_dir": work, "steplog": f"{work}/steps.log"}
             mp.start_processes(bare_worker, args=(2, port, spec), nprocs=2, start_method="spawn")
             _, steps = _read_steplog(spec["steplog"])
@@ -102,7 +103,7 @@ def run_one(mode: str, epochs: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.diag_step", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.diag.step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)

@@ -1,6 +1,6 @@
 """Who takes CPU from the workers while they train? Per-process CPU ticks over a window of steady training.
 
-    RAY_AUTH_MODE=disabled .venv/bin/python -m benchmarks.diag_background [--arm product|bare]
+    RAY_AUTH_MODE=disabled .venv/bin/python -m benchmarks.diag.background [--arm product|bare]
         [--delay 25] [--window 40] [--epochs 30] [--set KEY=VALUE ...]
 
 Runs the ``bench_ddp`` workload (2 CPU workers, 48 steps an epoch) for ``--epochs`` epochs in a child
@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 
-from benchmarks.bench_ddp import REPO, TASK_ARGS, _steps_per_epoch
+from benchmarks.bench_ddp import REPO, TASK_ARGS, _steps_per_epoch, _sweep, read_events
 
 Ticks = dict[tuple[int, int], tuple[str, str, int, int]]
 
@@ -61,8 +64,7 @@ def snapshot() -> Ticks:
     return out
 
 
-def child(arm: str, epochs: int, overrides: list[str]) -> None:
-    work = tempfile.mkdtemp(prefix="bgdiag")
+def child(arm: str, epochs: int, overrides: list[str], work: str) -> None:
     if arm == "product":
         from cluster import load_config, train
 
@@ -86,7 +88,7 @@ def child(arm: str, epochs: int, overrides: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.diag_background", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.diag.background", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arm", choices=("product", "bare"), default="product")
     p.add_argument("--delay", type=float, default=25.0, help="seconds after the start before the window")
@@ -94,13 +96,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=30, help="long enough to cover delay + window")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="product config override")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--work", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        child(args.arm, args.epochs, args.set)
+        child(args.arm, args.epochs, args.set, args.work)
         return 0
-    cmd = [sys.executable, "-m", "benchmarks.diag_background", "--child", "--arm", args.arm,
+    work = tempfile.mkdtemp(prefix="bgdiag", dir="/tmp")  # short: Ray's socket paths live under it
+    ray_tmp = os.path.join(work, "r")
+    cmd = [sys.executable, "-m", "benchmarks.diag.background", "--child", "--arm", args.arm, "--work", work,
            "--epochs", str(args.epochs), *(f"--set={s}" for s in args.set)]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    env = dict(os.environ, RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0",
+               PYTHONPATH=os.pathsep.join(q for q in [REPO, os.environ.get("PYTHONPATH", "")] if q))
+    env.pop("RAY_ADDRESS", None)  # an embedded Ray of its own
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         time.sleep(args.delay)
         if proc.poll() is not None:
@@ -112,9 +120,15 @@ def main(argv: list[str] | None = None) -> int:
         covered = proc.poll() is None
         lines = proc.communicate(timeout=600)[0].strip().splitlines()
         out = lines[-1] if lines else ""
+        events = read_events(os.path.join(work, "bg"))
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait()
+        for pid in _sweep(ray_tmp):  # what the killed run's embedded Ray left behind (named by its temp dir)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(work, ignore_errors=True)
     per_proc: collections.Counter[tuple[int, str]] = collections.Counter()
     per_thread: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     waited: collections.Counter[int] = collections.Counter()  # per process: its busiest thread's wait, ns
@@ -128,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             name = "driver (the job's own process)" if key[0] == proc.pid else name
             per_proc[(key[0], name)] += delta
             per_thread[key[0]][comm] += delta
-    if args.arm == "product":
-        workers = {pid for pid, name in per_proc if name.startswith("ray::_WorkerActor")}
+    if args.arm == "product":  # the ranks' PIDs, as the run's own event log records them
+        workers = {pid for e in events if e["event"] == "group_started" for pid in e.get("pids", [])}
     else:  # the two spawned ranks are the two busiest processes
         workers = {pid for (pid, _), _ in per_proc.most_common(2)}
     print(f"arm {args.arm}, window {seconds:.1f} s ({round(seconds) * 100} ticks per core), run {out or '?'}"

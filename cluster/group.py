@@ -1,0 +1,91 @@
+"""The seam between the driver and a gang of workers: what the driver calls, and the typed objects that
+cross it. :class:`cluster.worker_group.RayWorkerGroup` implements it on Ray; the driver's unit tests
+implement it with a script (``tests/unit/test_driver.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from cluster.checkpoint import CommitRecord
+from cluster.config import JobConfig
+from cluster.errors import Failure
+from cluster.worker import EpochResult, Heartbeat, SetupInfo
+
+
+@dataclass(frozen=True)
+class Salvage:
+    """Healthy, idle workers kept from a failed group for a warm restart, with the resources they hold.
+
+    ``resources`` and the values of ``actors`` are opaque handles of the group that made them (a Ray
+    placement group and actor handles); only a group of the same kind adopts them."""
+
+    resources: Any
+    actors: dict[int, Any]
+    """rank -> worker, already reset to that rank of the next group."""
+
+    @property
+    def count(self) -> int:
+        return len(self.actors)
+
+
+class WorkerGroup(Protocol):
+    """What the driver needs from a gang of workers."""
+
+    world_size: int
+    spare_note: str
+    """The hot spare's state after start(): "off", "off: <why>", "preparing"."""
+
+    def reserve(self, sizes: list[int], wait_s: float) -> int:
+        """Reserve resources for ``sizes[0]`` workers, or failing that the largest of the smaller sizes;
+        return how many. Raises ResourcesUnavailableError."""
+        ...
+
+    def start(self, world_size: int) -> list[SetupInfo]:
+        """Start (or adopt) the workers, rendezvous, set up every rank; one SetupInfo per rank, rank order."""
+        ...
+
+    def run_epoch(self, epoch: int, start_step: int) -> None:
+        """Dispatch an epoch to every rank and return at once; ``poll`` collects it."""
+        ...
+
+    def poll(self, timeout: float) -> list[EpochResult] | None:
+        """Every rank's result once the epoch is done; None while it runs; raises on the first failure."""
+        ...
+
+    def heartbeats(self, timeout: float = 2.0) -> list[Heartbeat | None]:
+        """One heartbeat per rank (None for a rank that did not answer within ``timeout``)."""
+        ...
+
+    def finish(self) -> list[CommitRecord]:
+        """Flush rank 0's checkpoint in flight; the commits not yet reported."""
+        ...
+
+    def spare_ready(self) -> float | None:
+        """Seconds the hot spare took to prepare, once it has; None before or without one."""
+        ...
+
+    def classify(self, exc: BaseException) -> Failure:
+        """Turn the first error seen into a Failure naming its root cause and rank."""
+        ...
+
+    def available_for(self, n: int) -> bool:
+        """Whether the cluster has free resources for ``n`` more workers now."""
+        ...
+
+    def salvage(self, failure: Failure, attempt: int) -> Salvage | None:
+        """Keep what can serve a warm restart, kill the rest; None when nothing is kept."""
+        ...
+
+    def adopt(self, salvage: Salvage) -> None:
+        """Take over a previous group's salvaged workers and resources (before ``reserve``)."""
+        ...
+
+    def shutdown(self, graceful: bool) -> None:
+        """Stop every worker; graceful destroys process groups first, otherwise kill at once."""
+        ...
+
+
+GroupFactory = Callable[[JobConfig, str, int], WorkerGroup]
+"""(config, run URL, attempt) -> a new, empty group."""
