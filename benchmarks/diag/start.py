@@ -8,6 +8,8 @@ Python process with its own temp dir:
   product   ``cluster.local_ray.start`` / ``shutdown``: the embedded Ray ``train()`` starts when no cluster
             is given, with whatever settings the product ships
   plain     ``ray.init(address="local", num_cpus=2, include_dashboard=False)`` / ``ray.shutdown()``
+  product@REF  ``start`` / ``shutdown`` of ``cluster/local_ray.py`` as it was at git revision REF (e.g.
+            ``--modes product,product@820cd1f`` compares the embedded Ray before and after a change)
 
 and prints for each start the seconds until the start call returned (``init_s``), until two 1-CPU actors
 answered a call (``ready_s``: what a job's first step waits for) and for the stop call (``shutdown_s``).
@@ -37,9 +39,17 @@ MODES = ("product", "plain")
 
 
 def child(mode: str) -> None:
+    import importlib.util
+
     import ray
 
     from cluster import local_ray
+
+    if "@" in mode:  # an earlier revision's module, written to a file by run_start
+        spec = importlib.util.spec_from_file_location("local_ray_at_rev", os.environ["DIAG_LOCAL_RAY_FILE"])
+        assert spec is not None and spec.loader is not None
+        local_ray = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(local_ray)
 
     t0 = time.perf_counter()
     if mode == "plain":
@@ -71,6 +81,12 @@ def run_start(mode: str) -> dict[str, float | str] | None:
     env = dict(os.environ, RAY_TMPDIR=tmp, RAY_USAGE_STATS_ENABLED="0",
                PYTHONPATH=os.pathsep.join(q for q in [REPO, os.environ.get("PYTHONPATH", "")] if q))
     env.pop("RAY_ADDRESS", None)
+    if "@" in mode:
+        source = subprocess.run(["git", "show", f"{mode.split('@', 1)[1]}:cluster/local_ray.py"], cwd=REPO,
+                                capture_output=True, text=True, check=True).stdout
+        env["DIAG_LOCAL_RAY_FILE"] = os.path.join(tmp, "local_ray_at_rev.py")
+        with open(env["DIAG_LOCAL_RAY_FILE"], "w") as fh:
+            fh.write(source)
     try:
         out = subprocess.run([sys.executable, "-m", "benchmarks.diag.start", "--child", mode], cwd=REPO, env=env,
                              capture_output=True, text=True, timeout=120)
@@ -93,13 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--starts", type=int, default=6, help="starts per mode")
     p.add_argument("--load", action="store_true", help="keep one core busy meanwhile")
     p.add_argument("--modes", default=",".join(MODES), help="comma list of " + ", ".join(MODES))
-    p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         child(args.child)
         return 0
     modes = [m for m in args.modes.split(",") if m]
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m not in MODES and not m.startswith("product@")]
     if bad:
         p.error(f"unknown mode(s) {bad}; choose from {MODES}")
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.load else None
@@ -110,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             if row is None:
                 continue
             rows.append(row)
-            print(f"{row['mode']:8s} start {row['init_s']:.2f} s, ready {row['ready_s']:.2f} s, "
+            print(f"{row['mode']:16s} start {row['init_s']:.2f} s, ready {row['ready_s']:.2f} s, "
                   f"shutdown {row['shutdown_s']:.2f} s", flush=True)
     finally:
         if hog is not None:
@@ -121,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         if not mine:
             continue
         init, ready, down = ([float(r[k]) for r in mine] for k in ("init_s", "ready_s", "shutdown_s"))
-        print(f"{mode:8s} n={len(mine)}: start median {statistics.median(init):.2f} s, ready median "
+        print(f"{mode:16s} n={len(mine)}: start median {statistics.median(init):.2f} s, ready median "
               f"{statistics.median(ready):.2f} s (range {min(ready):.2f}-{max(ready):.2f}), shutdown median "
               f"{statistics.median(down):.2f} s")
     return 0

@@ -110,7 +110,7 @@ def test_list_show_plot_on_a_real_run(ray_local: None, tiny_overrides: list[str]
 
     # plot without matplotlib: one line that says how to get it
     missing = cli("plot", run_url, "--out", str(tmp_path / "x.png"), pre="import sys; sys.modules['matplotlib'] = None")
-    assert_one_line_error(missing, 2, "pip install 'cluster[plot]'")
+    assert_one_line_error(missing, 2, "pip install -e '.[plot]'")
     assert not (tmp_path / "x.png").exists()
 
     # an unknown name under a root with runs: the error lists what is there
