@@ -56,8 +56,9 @@ def train_loop(
     model = task.build_model()
     ds = task.build_train_dataset()
     x, y = ds.tensors
-    sampler: DistributedSampler[Any] = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=seed,
-                                                          drop_last=True)
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        ds, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True
+    )
     per_rank = batch // world
     steps_per_epoch = len(sampler) // per_rank
     ddp = wrap(model)
@@ -77,9 +78,16 @@ def train_loop(
             log.write(f"start {attempt} {time.time():.6f} {step}\n")
 
         def checkpoint(epoch: int, in_epoch: int) -> None:
-            save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                  "scheduler": sched.state_dict() if sched is not None else None,
-                  "global_step": step, "epoch": epoch, "step_in_epoch": in_epoch})
+            save(
+                {
+                    "model": model.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "scheduler": sched.state_dict() if sched is not None else None,
+                    "global_step": step,
+                    "epoch": epoch,
+                    "step_in_epoch": in_epoch,
+                }
+            )
 
         for epoch in range(first_epoch, epochs):
             sampler.set_epoch(epoch)
@@ -111,8 +119,9 @@ def bare_worker(rank: int, world: int, port: int, spec: Spec) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo", init_method="env://", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
+    )
     latest = os.path.join(spec["ckpt_dir"], "latest.pt")
 
     def load() -> State | None:

@@ -42,7 +42,9 @@ def make_state(mb: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def run(storage: Storage, state: dict[str, torch.Tensor], async_save: bool, saves: int) -> tuple[list[float], list[float]]:
+def run(
+    storage: Storage, state: dict[str, torch.Tensor], async_save: bool, saves: int
+) -> tuple[list[float], list[float]]:
     store = CheckpointStore(storage)
     writer = CheckpointWriter(store, keep_last=1, async_save=async_save)
     stalls, writes = [], []
@@ -58,8 +60,11 @@ def run(storage: Storage, state: dict[str, torch.Tensor], async_save: bool, save
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_checkpoint", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_checkpoint",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--sizes", default="10,100,1024", help="state sizes in MiB, comma-separated")
     p.add_argument("--targets", default="local,s3", help="local and/or s3 (moto_server on loopback)")
     p.add_argument("--saves", type=int, default=3)
@@ -90,8 +95,12 @@ def main() -> None:
                     stalls, writes = run(st, state, mode == "async", args.saves)
                     steady = statistics.median(stalls[1:]) if len(stalls) > 1 else stalls[0]
                     rows.append((mb, target, mode, stalls[0], steady, statistics.median(writes)))
-                    print(f"{mb} MiB {target} {mode}: stall first {stalls[0]:.4f}s, steady {steady:.4f}s, "
-                          f"write {statistics.median(writes):.3f}s", file=sys.stderr, flush=True)
+                    print(
+                        f"{mb} MiB {target} {mode}: stall first {stalls[0]:.4f}s, steady {steady:.4f}s, "
+                        f"write {statistics.median(writes):.3f}s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     if target == "local":
                         shutil.rmtree(f"{tmp}/{target}-{mode}-{mb}", ignore_errors=True)
             del state
@@ -109,7 +118,9 @@ def main() -> None:
             s = next(r for r in rows if r[:3] == (mb, target, "sync"))
             ratio = a[4] / s[4] if s[4] else float("nan")
             mbps = mb * 1.048576 / a[5] if a[5] else float("nan")
-            print(f"| {mb} MiB | {target} | {a[3]:.4f} / {a[4]:.4f} | {s[4]:.3f} | {ratio:.1%} | {mbps:,.0f} |")
+            print(
+                f"| {mb} MiB | {target} | {a[3]:.4f} / {a[4]:.4f} | {s[4]:.3f} | {ratio:.1%} | {mbps:,.0f} |"
+            )
 
 
 if __name__ == "__main__":

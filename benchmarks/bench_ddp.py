@@ -83,17 +83,29 @@ def _epoch_stats(step_times: dict[int, float], steps_per_epoch: int, epochs: int
     ok = [x for x in per_epoch if x is not None]
     # Where an epoch's time goes: the typical step, and the extra time at each epoch boundary (last step of
     # epoch e -> first step of e+1, minus one typical step): checkpoint, result round trip, next dispatch.
-    inside = [t - step_times[s - 1] for s, t in step_times.items() if s - 1 in step_times and (s - 1) % steps_per_epoch]
+    inside = [
+        t - step_times[s - 1]
+        for s, t in step_times.items()
+        if s - 1 in step_times and (s - 1) % steps_per_epoch
+    ]
     step_s = statistics.median(inside) if inside else None
-    gaps = [step_times[e * steps_per_epoch + 1] - step_times[e * steps_per_epoch] for e in range(1, epochs)
-            if e * steps_per_epoch in step_times and e * steps_per_epoch + 1 in step_times]
-    return {"epoch_end_times": ends, "epochs_2_to_n_s": per_epoch, "epoch_s": statistics.median(ok) if ok else None,
-            "step_interval_s": step_s,
-            "epoch_boundary_extra_s": statistics.median(gaps) - step_s if gaps and step_s else None}
+    gaps = [
+        step_times[e * steps_per_epoch + 1] - step_times[e * steps_per_epoch]
+        for e in range(1, epochs)
+        if e * steps_per_epoch in step_times and e * steps_per_epoch + 1 in step_times
+    ]
+    return {
+        "epoch_end_times": ends,
+        "epochs_2_to_n_s": per_epoch,
+        "epoch_s": statistics.median(ok) if ok else None,
+        "step_interval_s": step_s,
+        "epoch_boundary_extra_s": statistics.median(gaps) - step_s if gaps and step_s else None,
+    }
 
 
-def _fault_stats(kill_file: str, kill_step: int, starts: list[tuple[int, float, int]],
-                 steps: list[tuple[int, float, int]]) -> dict[str, Any]:
+def _fault_stats(
+    kill_file: str, kill_step: int, starts: list[tuple[int, float, int]], steps: list[tuple[int, float, int]]
+) -> dict[str, Any]:
     out: dict[str, Any] = {"kill_step": kill_step}
     if not os.path.exists(kill_file):
         out["error"] = "the fault did not fire"
@@ -119,16 +131,20 @@ def read_events(run: str) -> list[dict[str, Any]]:
     for path in sorted(paths):
         with open(path) as fh:
             records.extend(json.loads(line) for line in fh if line.strip())
-    return sorted(records, key=lambda e: float(e.get("time", 0.0)))  # stable: same-time records keep file order
+    return sorted(
+        records, key=lambda e: float(e.get("time", 0.0))
+    )  # stable: same-time records keep file order
 
 
-def product_breakdown(events: list[dict[str, Any]], t0: float, t_end: float, first_step: float | None,
-                      last_step: float) -> dict[str, Any]:
+def product_breakdown(
+    events: list[dict[str, Any]], t0: float, t_end: float, first_step: float | None, last_step: float
+) -> dict[str, Any]:
     """Where the product's wall time goes, from its own event log and the clock around ``train()``:
 
     call_to_run_start_s             train() called -> ``run_start`` (mostly starting the embedded Ray)
     run_start_to_group_started_s    -> the first group is set up (``group_started``)
-    group_start_s                   the driver's own figure for that start (``seconds``: reserve, actors, setup)
+    group_start_s                   the driver's own figure for that start (``seconds``: reserve, actors,
+                                    setup)
     actors_up_s                     group_start_s less the setup phases: reserve + actor processes up
     setup_<phase>_s                 the slowest rank's seconds per setup phase (``setup_s``)
     group_started_to_first_step_s   -> rank 0's first optimizer step
@@ -159,8 +175,9 @@ def product_breakdown(events: list[dict[str, Any]], t0: float, t_end: float, fir
     return bd
 
 
-def product_fault(events: list[dict[str, Any]], rows: list[dict[str, Any]], kill_file: str,
-                  kill_step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def product_fault(
+    events: list[dict[str, Any]], rows: list[dict[str, Any]], kill_file: str, kill_step: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """(fault figures, the ``recovered`` event's phases) of a product run with an injected kill."""
     rec: dict[str, Any] = next((e for e in reversed(events) if e["event"] == "recovered"), {})
     phases = {k: v for k, v in rec.items() if k not in ("time", "event")}
@@ -169,8 +186,9 @@ def product_fault(events: list[dict[str, Any]], rows: list[dict[str, Any]], kill
         return fs, phases
     after = [float(r["time"]) for r in rows if r["attempt"] >= 1]
     fs["recovery_s"] = min(after) - fs["kill_time"] if after else None
-    fs["resume_step"] = next((e["resume_step"] for e in events
-                              if e["event"] == "group_started" and e["attempt"] >= 1), None)
+    fs["resume_step"] = next(
+        (e["resume_step"] for e in events if e["event"] == "group_started" and e["attempt"] >= 1), None
+    )
     fs["lost_steps"] = kill_step - 1 - fs["resume_step"] if fs["resume_step"] is not None else None
     fs["product_reported_lost_steps"] = rec.get("lost_steps")
     failure = next((e for e in events if e["event"] == "failure"), None)
@@ -187,15 +205,24 @@ def child_product(spec: dict[str, Any]) -> dict[str, Any]:
 
     name = "bench"
     overrides = [
-        f"name={name}", f"storage={spec['storage']}", f"training.epochs={spec['epochs']}",
-        f"training.global_batch_size={spec['global_batch']}", f"training.seed={spec['seed']}",
-        "training.log_every_steps=1", f"checkpoint.every_steps={spec['ckpt_every_steps']}",
-        "checkpoint.every_epochs=1", "scaling.num_workers=2", "scaling.cpus_per_worker=1",
+        f"name={name}",
+        f"storage={spec['storage']}",
+        f"training.epochs={spec['epochs']}",
+        f"training.global_batch_size={spec['global_batch']}",
+        f"training.seed={spec['seed']}",
+        "training.log_every_steps=1",
+        f"checkpoint.every_steps={spec['ckpt_every_steps']}",
+        "checkpoint.every_epochs=1",
+        "scaling.num_workers=2",
+        "scaling.cpus_per_worker=1",
         "failures.max_failures=1",
         *spec.get("product_set", []),
     ]
-    cfg = load_config(os.path.join(REPO, "jobs/configs/tiny_cpu.yaml"), overrides,
-                      data={"task": spec["task"], "task_args": spec["task_args"]})
+    cfg = load_config(
+        os.path.join(REPO, "jobs/configs/tiny_cpu.yaml"),
+        overrides,
+        data={"task": spec["task"], "task_args": spec["task_args"]},
+    )
     t0 = time.time()
     result = train(cfg)
     t_end = time.time()
@@ -210,9 +237,12 @@ def child_product(spec: dict[str, Any]) -> dict[str, Any]:
     first = min((float(r["time"]) for r in rows if r["attempt"] == 0 and r["global_step"] == 1), default=None)
     last = max(step_times.values())
     out: dict[str, Any] = {
-        "status": result.status, "steps": result.global_step, "loss": result.metrics.get("loss"),
+        "status": result.status,
+        "steps": result.global_step,
+        "loss": result.metrics.get("loss"),
         "steps_per_epoch": spe,
-        "t0": t0, "t_end": t_end,
+        "t0": t0,
+        "t_end": t_end,
         "total_s": t_end - t0,
         "first_step_s": first - t0 if first else None,
         "teardown_s": t_end - last,
@@ -240,8 +270,9 @@ def child_bare(spec: dict[str, Any]) -> dict[str, Any]:
         with socket.socket() as s:  # as torchrun's static rendezvous: a free port for this attempt
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        ctx = mp.start_processes(bare_worker, args=(world, port, spec), nprocs=world, join=False,
-                                 start_method="spawn")
+        ctx = mp.start_processes(
+            bare_worker, args=(world, port, spec), nprocs=world, join=False, start_method="spawn"
+        )
         try:
             while not ctx.join(timeout=monitor_s):
                 pass
@@ -267,15 +298,21 @@ def child_raytrain(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("ray_address"):  # --ray-cluster: a running head, as with `ray job submit`
         ray.init(address=spec["ray_address"], configure_logging=False)
     else:
-        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=spec["ray_tmp"], configure_logging=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": REPO}})
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            _temp_dir=spec["ray_tmp"],
+            configure_logging=False,
+            runtime_env={"env_vars": {"PYTHONPATH": REPO}},
+        )
     t_init = time.time()
     trainer = ray.train.torch.TorchTrainer(
         raytrain_loop,
         train_loop_config=spec,
         scaling_config=ray.train.ScalingConfig(num_workers=2, use_gpu=False),
         run_config=ray.train.RunConfig(
-            name="bench", storage_path=spec["storage"],
+            name="bench",
+            storage_path=spec["storage"],
             failure_config=ray.train.FailureConfig(max_failures=1),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=3),
         ),
@@ -284,9 +321,17 @@ def child_raytrain(spec: dict[str, Any]) -> dict[str, Any]:
     t_fit = time.time()
     ray.shutdown()
     t_end = time.time()
-    return _loop_result(spec, t0, t_end, {"ray_init_s": t_init - t0, "fit_s": t_fit - t_init,
-                                          "ray_shutdown_s": t_end - t_fit, "error": repr(result.error)
-                                          if result.error else None})
+    return _loop_result(
+        spec,
+        t0,
+        t_end,
+        {
+            "ray_init_s": t_init - t0,
+            "fit_s": t_fit - t_init,
+            "ray_shutdown_s": t_end - t_fit,
+            "error": repr(result.error) if result.error else None,
+        },
+    )
 
 
 def _loop_result(spec: dict[str, Any], t0: float, t_end: float, extra: dict[str, Any]) -> dict[str, Any]:
@@ -302,14 +347,17 @@ def _loop_result(spec: dict[str, Any], t0: float, t_end: float, extra: dict[str,
         "status": "finished" if step_times.get(spe * spec["epochs"]) else "incomplete",
         "steps": max(step_times) if step_times else 0,
         "steps_per_epoch": spe,
-        "t0": t0, "t_end": t_end,
+        "t0": t0,
+        "t_end": t_end,
         "total_s": t_end - t0,
         "first_step_s": first - t0 if first else None,
         "teardown_s": t_end - last if last else None,
         **_epoch_stats(step_times, spe, spec["epochs"]),
-        "breakdown": {"call_to_loop_start_s": first_start - t0 if first_start else None,
-                      "loop_start_to_first_step_s": first - first_start if first and first_start else None,
-                      **{k: v for k, v in extra.items() if k != "detect_time"}},
+        "breakdown": {
+            "call_to_loop_start_s": first_start - t0 if first_start else None,
+            "loop_start_to_first_step_s": first - first_start if first and first_start else None,
+            **{k: v for k, v in extra.items() if k != "detect_time"},
+        },
     }
     if spec.get("kill_step"):
         out["fault"] = _fault_stats(spec["kill_file"], spec["kill_step"], starts, steps)
@@ -337,16 +385,32 @@ def _steps_per_epoch(task_args: dict[str, Any], batch: int) -> int:
     return n // batch
 
 
-def make_spec(work: str, *, fault: bool = False, kill_step: int = 0, epochs: int = 4, ckpt_every: int = 25,
-              steps_per_epoch: int, product_set: list[str] | None = None, head: Any = None,
-              task: str = "jobs.tasks.charlm:CharLMTask", task_args: dict[str, Any] | None = None) -> dict[str, Any]:
+def make_spec(
+    work: str,
+    *,
+    fault: bool = False,
+    kill_step: int = 0,
+    epochs: int = 4,
+    ckpt_every: int = 25,
+    steps_per_epoch: int,
+    product_set: list[str] | None = None,
+    head: Any = None,
+    task: str = "jobs.tasks.charlm:CharLMTask",
+    task_args: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The spec one arm's child runs: the fixed workload, with its scratch paths under ``work``."""
     spec: dict[str, Any] = {
         "task": "benchmarks.faults:KillableCharLM" if fault else task,
-        "task_args": {**TASK_ARGS, **(task_args or {})}, "seed": 0, "global_batch": 64, "epochs": epochs,
-        "ckpt_every_steps": ckpt_every, "steps_per_epoch": steps_per_epoch,
-        "storage": os.path.join(work, "runs"), "ckpt_dir": os.path.join(work, "ckpt"),
-        "steplog": os.path.join(work, "steps.log"), "ray_tmp": os.path.join(work, "r"),
+        "task_args": {**TASK_ARGS, **(task_args or {})},
+        "seed": 0,
+        "global_batch": 64,
+        "epochs": epochs,
+        "ckpt_every_steps": ckpt_every,
+        "steps_per_epoch": steps_per_epoch,
+        "storage": os.path.join(work, "runs"),
+        "ckpt_dir": os.path.join(work, "ckpt"),
+        "steplog": os.path.join(work, "steps.log"),
+        "ray_tmp": os.path.join(work, "r"),
         "kill_step": kill_step if fault else 0,
         "kill_file": os.path.join(work, "killed") if fault else "",
         "product_set": list(product_set or []),
@@ -378,9 +442,15 @@ def _sweep(tag: str) -> list[int]:
 
 
 def _child_env(arm: str, spec: dict[str, Any]) -> dict[str, str]:
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_TMPDIR=spec["ray_tmp"], RAY_TRAIN_V2_ENABLED="1",
-               PYTHONPATH=os.pathsep.join(p for p in [REPO, os.environ.get("PYTHONPATH", "")] if p),
-               RAY_USAGE_STATS_ENABLED="0", BENCH_TAG=spec["ray_tmp"])
+    env = dict(
+        os.environ,
+        RAY_AUTH_MODE="disabled",
+        RAY_TMPDIR=spec["ray_tmp"],
+        RAY_TRAIN_V2_ENABLED="1",
+        PYTHONPATH=os.pathsep.join(p for p in [REPO, os.environ.get("PYTHONPATH", "")] if p),
+        RAY_USAGE_STATS_ENABLED="0",
+        BENCH_TAG=spec["ray_tmp"],
+    )
     env.update(spec.get("env") or {})  # an arm variant's own variables (bench_interleaved)
     env.pop("RAY_ADDRESS", None)  # the product arm starts its own embedded Ray...
     if spec.get("ray_address") and arm != "bare":
@@ -388,17 +458,32 @@ def _child_env(arm: str, spec: dict[str, Any]) -> dict[str, str]:
     return env
 
 
-def launch_arm(arm: str, spec: dict[str, Any], work: str,
-               preexec_fn: Any = None) -> subprocess.Popen[bytes]:
+def launch_arm(arm: str, spec: dict[str, Any], work: str, preexec_fn: Any = None) -> subprocess.Popen[bytes]:
     """Start one arm's child process (its own session, output to ``work/child.log``); it writes
     ``work/result.json`` when it is done. ``preexec_fn`` runs in the child before it execs."""
     with open(os.path.join(work, "spec.json"), "w") as fh:
         json.dump(spec, fh)
-    cmd = [sys.executable, "-m", "benchmarks.bench_ddp", "--child", arm, "--spec", os.path.join(work, "spec.json"),
-           "--out", os.path.join(work, "result.json")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench_ddp",
+        "--child",
+        arm,
+        "--spec",
+        os.path.join(work, "spec.json"),
+        "--out",
+        os.path.join(work, "result.json"),
+    ]
     with open(os.path.join(work, "child.log"), "w") as log:
-        return subprocess.Popen(cmd, cwd=REPO, env=_child_env(arm, spec), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=preexec_fn)
+        return subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=_child_env(arm, spec),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=preexec_fn,
+        )
 
 
 def collect_arm(arm: str, spec: dict[str, Any], work: str, rc: int, wall_s: float) -> dict[str, Any]:
@@ -413,8 +498,11 @@ def collect_arm(arm: str, spec: dict[str, Any], work: str, rc: int, wall_s: floa
     if rc != 0 or not os.path.exists(out_path):
         with open(os.path.join(work, "child.log")) as fh:
             tail = fh.read()[-3000:]
-        return {"arm": arm, "error": f"exit {rc} after {wall_s:.0f}s; log tail:\n{tail}",
-                "leftover_pids_killed": leftovers}
+        return {
+            "arm": arm,
+            "error": f"exit {rc} after {wall_s:.0f}s; log tail:\n{tail}",
+            "leftover_pids_killed": leftovers,
+        }
     with open(out_path) as fh:
         res: dict[str, Any] = json.load(fh)
     res["leftover_pids_killed"] = leftovers
@@ -450,15 +538,27 @@ class RayHead:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.args = [
-            os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--num-cpus=2",
-            f"--port={self.port}", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
-            f"--dashboard-agent-listen-port={free_port()}", f"--temp-dir={temp_dir}", "--disable-usage-stats",
+            os.path.join(os.path.dirname(sys.executable), "ray"),
+            "start",
+            "--head",
+            "--num-cpus=2",
+            f"--port={self.port}",
+            "--node-ip-address=127.0.0.1",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={free_port()}",
+            f"--ray-client-server-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--temp-dir={temp_dir}",
+            "--disable-usage-stats",
         ]
 
     def start(self) -> None:
-        env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
-                   PYTHONPATH=os.pathsep.join(p for p in [REPO, os.environ.get("PYTHONPATH", "")] if p))
+        env = dict(
+            os.environ,
+            RAY_AUTH_MODE="disabled",
+            RAY_USAGE_STATS_ENABLED="0",
+            PYTHONPATH=os.pathsep.join(p for p in [REPO, os.environ.get("PYTHONPATH", "")] if p),
+        )
         env.pop("RAY_ADDRESS", None)
         proc = subprocess.run(self.args, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
@@ -520,8 +620,18 @@ def summarize(runs: list[dict[str, Any]], fault: bool) -> dict[str, Any]:
         if fault:
             m.update({k: _median([r.get("fault", {}).get(k) for r in mine]) for k in fkeys})
             if arm == "product":
-                for k in ("detect_to_teardown_s", "reserve_s", "start_and_load_s", "actors_s", "rendezvous_s",
-                          "task_s", "checkpoint_load_s", "first_step_s", "detect_to_first_step_s", "lost_steps"):
+                for k in (
+                    "detect_to_teardown_s",
+                    "reserve_s",
+                    "start_and_load_s",
+                    "actors_s",
+                    "rendezvous_s",
+                    "task_s",
+                    "checkpoint_load_s",
+                    "first_step_s",
+                    "detect_to_first_step_s",
+                    "lost_steps",
+                ):
                     m["phase_" + k] = _median([r.get("fault_events", {}).get(k) for r in mine])
         bkeys = sorted({k for r in mine for k in r.get("breakdown", {})})
         m["breakdown"] = {k: _median([r.get("breakdown", {}).get(k) for r in mine]) for k in bkeys}
@@ -545,7 +655,9 @@ def summarize(runs: list[dict[str, Any]], fault: bool) -> dict[str, Any]:
         pairs = [rep for rep in by_rep.values() if arm in rep and "bare" in rep]
         if pairs:
             paired[f"{arm}/bare"] = {
-                k: _median([rep[arm][k] / rep["bare"][k] for rep in pairs if rep[arm].get(k) and rep["bare"].get(k)])
+                k: _median(
+                    [rep[arm][k] / rep["bare"][k] for rep in pairs if rep[arm].get(k) and rep["bare"].get(k)]
+                )
                 for k in keys + (["recovery_s"] if fault else [])
             }
     return {"median": med, "ratios": ratios, "paired_ratios": paired}
@@ -556,61 +668,100 @@ def print_table(summary: dict[str, Any], fault: bool) -> None:
     if not fault:
         print(f"\n{'arm':10} {'n':>2} {'total_s':>8} {'first_step_s':>12} {'epoch_s':>8} {'teardown_s':>10}")
         for arm, m in med.items():
-            print(f"{arm:10} {m['n']:>2} {_fmt(m['total_s']):>8} {_fmt(m['first_step_s']):>12} "
-                  f"{_fmt(m['epoch_s'], 3):>8} {_fmt(m['teardown_s']):>10}   step {_fmt(m['step_interval_s'], 4)}s, "
-                  f"epoch-boundary extra {_fmt(m['epoch_boundary_extra_s'], 3)}s")
+            print(
+                f"{arm:10} {m['n']:>2} {_fmt(m['total_s']):>8} {_fmt(m['first_step_s']):>12} "
+                f"{_fmt(m['epoch_s'], 3):>8} {_fmt(m['teardown_s']):>10}   "
+                f"step {_fmt(m['step_interval_s'], 4)}s, "
+                f"epoch-boundary extra {_fmt(m['epoch_boundary_extra_s'], 3)}s"
+            )
         print(f"\n{'ratio':14} {'total':>7} {'first_step':>10} {'epoch':>7} {'teardown':>9}")
         for name, r in ratios.items():
-            print(f"{name:14} {_fmt(r['total_s']):>7} {_fmt(r['first_step_s']):>10} {_fmt(r['epoch_s'], 3):>7} "
-                  f"{_fmt(r['teardown_s']):>9}")
+            print(
+                f"{name:14} {_fmt(r['total_s']):>7} {_fmt(r['first_step_s']):>10} {_fmt(r['epoch_s'], 3):>7} "
+                f"{_fmt(r['teardown_s']):>9}"
+            )
         paired = summary.get("paired_ratios", {})
         if paired:
-            print(f"\n{'paired ratio':14} {'total':>7} {'first_step':>10} {'epoch':>7} {'teardown':>9}"
-                  "   (median over repeats of the ratio within a repeat)")
+            print(
+                f"\n{'paired ratio':14} {'total':>7} {'first_step':>10} {'epoch':>7} {'teardown':>9}"
+                "   (median over repeats of the ratio within a repeat)"
+            )
             for name, r in paired.items():
-                print(f"{name:14} {_fmt(r['total_s']):>7} {_fmt(r['first_step_s']):>10} {_fmt(r['epoch_s'], 3):>7} "
-                      f"{_fmt(r['teardown_s']):>9}")
+                print(
+                    f"{name:14} {_fmt(r['total_s']):>7} {_fmt(r['first_step_s']):>10} "
+                    f"{_fmt(r['epoch_s'], 3):>7} "
+                    f"{_fmt(r['teardown_s']):>9}"
+                )
         if "product/bare" in ratios:
             r = paired.get("product/bare") or ratios["product/bare"]
-            verdict = ", ".join(f"{k} {_fmt(r[k])}x (target <= {t}x: {'ok' if r[k] and r[k] <= t else 'MISSED'})"
-                                for k, t in TARGETS.items())
+            verdict = ", ".join(
+                f"{k} {_fmt(r[k])}x (target <= {t}x: {'ok' if r[k] and r[k] <= t else 'MISSED'})"
+                for k, t in TARGETS.items()
+            )
             print(f"\nproduct targets ({'paired ratios' if paired else 'ratios of medians'}): {verdict}")
     else:
-        print(f"\n{'arm':10} {'n':>2} {'total_s':>8} {'recovery_s':>10} {'kill->detect':>12} {'lost_steps':>10}")
+        print(
+            f"\n{'arm':10} {'n':>2} {'total_s':>8} {'recovery_s':>10} {'kill->detect':>12} {'lost_steps':>10}"
+        )
         for arm, m in med.items():
-            print(f"{arm:10} {m['n']:>2} {_fmt(m['total_s']):>8} {_fmt(m['recovery_s']):>10} "
-                  f"{_fmt(m['kill_to_detect_s']):>12} {_fmt(m['lost_steps'], 0):>10}")
+            print(
+                f"{arm:10} {m['n']:>2} {_fmt(m['total_s']):>8} {_fmt(m['recovery_s']):>10} "
+                f"{_fmt(m['kill_to_detect_s']):>12} {_fmt(m['lost_steps'], 0):>10}"
+            )
         if "product" in med:
             p = med["product"]
-            print("\nproduct recovered-event phases (median): " + ", ".join(
-                f"{k[6:]}={_fmt(v)}" for k, v in p.items() if k.startswith("phase_")))
+            print(
+                "\nproduct recovered-event phases (median): "
+                + ", ".join(f"{k[6:]}={_fmt(v)}" for k, v in p.items() if k.startswith("phase_"))
+            )
         for name, r in ratios.items():
             print(f"{name}: total {_fmt(r['total_s'])}x, recovery {_fmt(r['recovery_s'])}x")
     print("\nbreakdown (median seconds):")
     for arm, m in med.items():
-        print(f"  {arm:9} " + ", ".join(f"{k}={_fmt(v)}" for k, v in m["breakdown"].items()
-                                        if isinstance(v, (int, float))))
+        print(
+            f"  {arm:9} "
+            + ", ".join(f"{k}={_fmt(v)}" for k, v in m["breakdown"].items() if isinstance(v, (int, float)))
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_ddp", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=1, help="repeat the whole comparison N times; report medians")
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_ddp",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--repeats", type=int, default=1, help="repeat the whole comparison N times; report medians"
+    )
     p.add_argument("--arms", default=",".join(ARMS), help="comma list of product,bare,raytrain")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--fault", action="store_true", help="SIGKILL rank 1 mid-epoch and measure recovery")
     p.add_argument("--kill-step", type=int, default=76, help="global step before which rank 1 dies (--fault)")
-    p.add_argument("--ckpt-every", type=int, default=None,
-                   help="checkpoint every N steps (default 25 as tiny_cpu.yaml; 10 with --fault)")
+    p.add_argument(
+        "--ckpt-every",
+        type=int,
+        default=None,
+        help="checkpoint every N steps (default 25 as tiny_cpu.yaml; 10 with --fault)",
+    )
     p.add_argument("--timeout", type=float, default=600, help="seconds per arm run before it is killed")
     p.add_argument("--json", help="write all runs, medians and ratios to this file")
-    p.add_argument("--product-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra config override for the product arm, e.g. failures.hot_spare=true")
-    p.add_argument("--ray-cluster", action="store_true",
-                   help="start a `ray start --head` first and connect the Ray arms to it (the `ray job submit` "
-                        "setting: Ray is already up) instead of each starting an embedded Ray")
+    p.add_argument(
+        "--product-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra config override for the product arm, e.g. failures.hot_spare=true",
+    )
+    p.add_argument(
+        "--ray-cluster",
+        action="store_true",
+        help="start a `ray start --head` first and connect the Ray arms to it (the `ray job submit` "
+        "setting: Ray is already up) instead of each starting an embedded Ray",
+    )
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (storage, logs)")
-    p.add_argument("--summarize", metavar="JSON", help="print the tables of an earlier run's --json file and exit")
+    p.add_argument(
+        "--summarize", metavar="JSON", help="print the tables of an earlier run's --json file and exit"
+    )
     p.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -642,12 +793,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"starting a Ray head for the Ray arms at {head.address} ...", flush=True)
             head.start()
         for rep in range(args.repeats):
-            order = arms[rep % len(arms):] + arms[: rep % len(arms)]  # rotate so noise is not one arm's
+            order = arms[rep % len(arms) :] + arms[: rep % len(arms)]  # rotate so noise is not one arm's
             for arm in order:
                 work = os.path.join(scratch, f"{rep}{arm[0]}")
                 os.makedirs(work)
-                spec = make_spec(work, fault=args.fault, kill_step=args.kill_step, epochs=args.epochs,
-                                 ckpt_every=every, steps_per_epoch=spe, product_set=args.product_set, head=head)
+                spec = make_spec(
+                    work,
+                    fault=args.fault,
+                    kill_step=args.kill_step,
+                    epochs=args.epochs,
+                    ckpt_every=every,
+                    steps_per_epoch=spe,
+                    product_set=args.product_set,
+                    head=head,
+                )
                 print(f"[repeat {rep + 1}/{args.repeats}] {arm} ...", flush=True)
                 res = run_arm(arm, spec, work, args.timeout)
                 res["repeat"] = rep
@@ -656,11 +815,21 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  FAILED: {res['error']}", flush=True)
                 else:
                     f = res.get("fault", {})
-                    print(f"  total {_fmt(res['total_s'])}s, first step {_fmt(res['first_step_s'])}s, epoch "
-                          f"{_fmt(res['epoch_s'], 3)}s, teardown {_fmt(res['teardown_s'])}s"
-                          + (f", recovery {_fmt(f.get('recovery_s'))}s, lost {f.get('lost_steps')}" if f else "")
-                          + (f"; killed leftovers {res['leftover_pids_killed']}" if res["leftover_pids_killed"]
-                             else ""), flush=True)
+                    print(
+                        f"  total {_fmt(res['total_s'])}s, first step {_fmt(res['first_step_s'])}s, epoch "
+                        f"{_fmt(res['epoch_s'], 3)}s, teardown {_fmt(res['teardown_s'])}s"
+                        + (
+                            f", recovery {_fmt(f.get('recovery_s'))}s, lost {f.get('lost_steps')}"
+                            if f
+                            else ""
+                        )
+                        + (
+                            f"; killed leftovers {res['leftover_pids_killed']}"
+                            if res["leftover_pids_killed"]
+                            else ""
+                        ),
+                        flush=True,
+                    )
     finally:
         if head is not None:
             head.stop()
@@ -672,14 +841,30 @@ def main(argv: list[str] | None = None) -> int:
     print_table(summary, args.fault)
     if args.json:
         doc = {
-            "benchmark": "bench_ddp" + (" --fault" if args.fault else "") + (" --ray-cluster" if head else ""),
-            "command": " ".join([os.path.basename(sys.executable), "-m", "benchmarks.bench_ddp", *sys.argv[1:]]),
+            "benchmark": "bench_ddp"
+            + (" --fault" if args.fault else "")
+            + (" --ray-cluster" if head else ""),
+            "command": " ".join(
+                [os.path.basename(sys.executable), "-m", "benchmarks.bench_ddp", *sys.argv[1:]]
+            ),
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-            "workload": {"task_args": TASK_ARGS, "workers": 2, "global_batch": 64, "epochs": args.epochs,
-                         "steps_per_epoch": spe, "ckpt_every_steps": every,
-                         "kill_step": args.kill_step if args.fault else None},
-            "wall_s": time.time() - t_all, "runs": runs, **summary,
+            "machine": {
+                "cpus": os.cpu_count(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+            },
+            "workload": {
+                "task_args": TASK_ARGS,
+                "workers": 2,
+                "global_batch": 64,
+                "epochs": args.epochs,
+                "steps_per_epoch": spe,
+                "ckpt_every_steps": every,
+                "kill_step": args.kill_step if args.fault else None,
+            },
+            "wall_s": time.time() - t_all,
+            "runs": runs,
+            **summary,
         }
         with open(args.json, "w") as fh:
             json.dump(doc, fh, indent=1, default=str)

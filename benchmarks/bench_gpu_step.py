@@ -25,8 +25,16 @@ import time
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TASK_ARGS = {"context": 256, "d_model": 512, "n_layers": 8, "n_heads": 8, "dropout": 0.0,
-             "max_chars": 900_000, "lr": 6e-4, "warmup_steps": 20}
+TASK_ARGS = {
+    "context": 256,
+    "d_model": 512,
+    "n_layers": 8,
+    "n_heads": 8,
+    "dropout": 0.0,
+    "max_chars": 900_000,
+    "lr": 6e-4,
+    "warmup_steps": 20,
+}
 BATCH = 64
 WARMUP = 10
 
@@ -74,8 +82,12 @@ def child_bare(epochs: int) -> dict[str, Any]:
             float(loss.detach())  # one host sync per step, like the product's loss bookkeeping
             step += 1
             rows.append((epoch, step, time.time()))
-    return {"rows": rows, "wall_s": time.time() - t0, "steps_per_epoch": steps_per_epoch,
-            "device": torch.cuda.get_device_name(0)}
+    return {
+        "rows": rows,
+        "wall_s": time.time() - t0,
+        "steps_per_epoch": steps_per_epoch,
+        "device": torch.cuda.get_device_name(0),
+    }
 
 
 def child_product(epochs: int, storage: str) -> dict[str, Any]:
@@ -84,25 +96,44 @@ def child_product(epochs: int, storage: str) -> dict[str, Any]:
     from cluster import load_config, train
 
     overrides = [
-        "name=gpu-step", f"storage={storage}", f"training.epochs={epochs}", f"training.global_batch_size={BATCH}",
-        "training.seed=0", "training.amp=bf16", "training.log_every_steps=1", "scaling.num_workers=1",
-        "scaling.use_gpu=true", "scaling.cpus_per_worker=4", "checkpoint.every_steps=0", "checkpoint.every_epochs=0",
+        "name=gpu-step",
+        f"storage={storage}",
+        f"training.epochs={epochs}",
+        f"training.global_batch_size={BATCH}",
+        "training.seed=0",
+        "training.amp=bf16",
+        "training.log_every_steps=1",
+        "scaling.num_workers=1",
+        "scaling.use_gpu=true",
+        "scaling.cpus_per_worker=4",
+        "checkpoint.every_steps=0",
+        "checkpoint.every_epochs=0",
     ]
-    cfg = load_config(os.path.join(REPO, "jobs/configs/tiny_cpu.yaml"), overrides,
-                      data={"task": "jobs.tasks.charlm:CharLMTask", "task_args": TASK_ARGS})
+    cfg = load_config(
+        os.path.join(REPO, "jobs/configs/tiny_cpu.yaml"),
+        overrides,
+        data={"task": "jobs.tasks.charlm:CharLMTask", "task_args": TASK_ARGS},
+    )
     t0 = time.time()
     train(cfg)
     wall = time.time() - t0
     table = pq.read_table(os.path.join(storage, "gpu-step", "metrics")).to_pylist()
     steps = sorted((r for r in table if r["kind"] == "step"), key=lambda r: r["global_step"])
     rows = [(int(r["epoch"]), int(r["global_step"]), float(r["time"])) for r in steps]
-    return {"rows": rows, "wall_s": wall, "steps_per_epoch": None,
-            "step_time_s_median": statistics.median(float(r["step_time_s"]) for r in steps[WARMUP:])}
+    return {
+        "rows": rows,
+        "wall_s": wall,
+        "steps_per_epoch": None,
+        "step_time_s_median": statistics.median(float(r["step_time_s"]) for r in steps[WARMUP:]),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_gpu_step", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_gpu_step",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--timeout", type=float, default=150, help="seconds per arm")
     p.add_argument("--json", help="write the results to this file")
@@ -123,14 +154,29 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bgpu", dir="/tmp") as work:
-        env = dict(os.environ, RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"),
-                   RAY_TMPDIR=os.path.join(work, "r"), RAY_USAGE_STATS_ENABLED="0",
-                   PYTHONPATH=os.pathsep.join(q for q in [REPO, os.environ.get("PYTHONPATH", "")] if q))
+        env = dict(
+            os.environ,
+            RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"),
+            RAY_TMPDIR=os.path.join(work, "r"),
+            RAY_USAGE_STATS_ENABLED="0",
+            PYTHONPATH=os.pathsep.join(q for q in [REPO, os.environ.get("PYTHONPATH", "")] if q),
+        )
         env.pop("RAY_ADDRESS", None)
         for arm in ("bare", "product"):
             out = os.path.join(work, f"{arm}.json")
-            cmd = [sys.executable, "-m", "benchmarks.bench_gpu_step", "--child", arm, "--out", out,
-                   "--epochs", str(args.epochs), "--storage", os.path.join(work, "runs")]
+            cmd = [
+                sys.executable,
+                "-m",
+                "benchmarks.bench_gpu_step",
+                "--child",
+                arm,
+                "--out",
+                out,
+                "--epochs",
+                str(args.epochs),
+                "--storage",
+                os.path.join(work, "runs"),
+            ]
             print(f"{arm} ...", flush=True)
             try:
                 rc = subprocess.run(cmd, cwd=REPO, env=env, timeout=args.timeout).returncode
@@ -147,15 +193,20 @@ def main(argv: list[str] | None = None) -> int:
             res["samples_per_s"] = BATCH / statistics.median(iv) if iv else None
             res["intervals_used"] = len(iv)
             results[arm] = res
-            print(f"  median step interval {res['step_interval_ms_median']:.2f} ms "
-                  f"({res['samples_per_s']:.0f} samples/s), wall {res['wall_s']:.1f}s", flush=True)
+            print(
+                f"  median step interval {res['step_interval_ms_median']:.2f} ms "
+                f"({res['samples_per_s']:.0f} samples/s), wall {res['wall_s']:.1f}s",
+                flush=True,
+            )
     b, pr = results.get("bare", {}), results.get("product", {})
     ok = bool(b.get("step_interval_ms_median") and pr.get("step_interval_ms_median"))
     if ok:
         ratio = pr["step_interval_ms_median"] / b["step_interval_ms_median"]
         results["ratio_product_over_bare_step"] = ratio
-        print(f"\nbf16 step time product/bare: {ratio:.3f}x  (product {pr['step_interval_ms_median']:.2f} ms, "
-              f"bare {b['step_interval_ms_median']:.2f} ms on {b.get('device')})")
+        print(
+            f"\nbf16 step time product/bare: {ratio:.3f}x  (product {pr['step_interval_ms_median']:.2f} ms, "
+            f"bare {b['step_interval_ms_median']:.2f} ms on {b.get('device')})"
+        )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1)

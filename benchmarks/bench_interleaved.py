@@ -61,7 +61,16 @@ from typing import Any
 
 from benchmarks.bench_ddp import TASK_ARGS, _steps_per_epoch, collect_arm, launch_arm, make_spec
 
-ARMS = ("product", "bare", "raytrain", "bare_slow", "bare_thread", "bare_tuned", "product_system", "product_nice15")
+ARMS = (
+    "product",
+    "bare",
+    "raytrain",
+    "bare_slow",
+    "bare_thread",
+    "bare_tuned",
+    "product_system",
+    "product_nice15",
+)
 TARGET_EPOCH = 1.02
 
 Interval = tuple[float, float]
@@ -87,8 +96,10 @@ class Freezer:
         try:
             os.mkdir(self.path)
         except OSError as e:
-            raise RuntimeError(f"cannot create the cgroup {self.path} ({e}); bench_interleaved needs write access "
-                               "to a cgroup freezer: run it as root or in a delegated cgroup") from e
+            raise RuntimeError(
+                f"cannot create the cgroup {self.path} ({e}); bench_interleaved needs write access "
+                "to a cgroup freezer: run it as root or in a delegated cgroup"
+            ) from e
         self.frozen = False
 
     def join(self) -> None:
@@ -174,7 +185,9 @@ def cpu_ticks(pids: list[int]) -> dict[int, tuple[str, int]]:
     return out
 
 
-def cpu_between(samples: list[tuple[float, dict[int, tuple[str, int]]]], a: float, b: float) -> dict[str, float]:
+def cpu_between(
+    samples: list[tuple[float, dict[int, tuple[str, int]]]], a: float, b: float
+) -> dict[str, float]:
     """CPU seconds each process used between the samples last taken before ``a`` and before ``b``, as
     ``workers`` (the two busiest processes: the ranks) and ``rest`` (everything else of the arm)."""
     before_a = [s for t, s in samples if t <= a]
@@ -194,16 +207,22 @@ def mean_se(values: list[float]) -> tuple[float, float]:
 
 
 # ====================================================================== the arms
-def arm_spec(arm: str, work: str, *, epochs: int, ckpt_every: int, steps_per_epoch: int,
-             slow_ms: float) -> dict[str, Any]:
+def arm_spec(
+    arm: str, work: str, *, epochs: int, ckpt_every: int, steps_per_epoch: int, slow_ms: float
+) -> dict[str, Any]:
     """The ``bench_ddp`` child spec of one arm: its base arm (``_child_arm``: product, bare or raytrain) and
     the variant's settings."""
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; choose from {ARMS}")
     slow = arm == "bare_slow"
-    spec = make_spec(work, epochs=epochs, ckpt_every=ckpt_every, steps_per_epoch=steps_per_epoch,
-                     task="benchmarks.faults:SlowCharLM" if slow else "jobs.tasks.charlm:CharLMTask",
-                     task_args={"step_delay_ms": slow_ms} if slow else None)
+    spec = make_spec(
+        work,
+        epochs=epochs,
+        ckpt_every=ckpt_every,
+        steps_per_epoch=steps_per_epoch,
+        task="benchmarks.faults:SlowCharLM" if slow else "jobs.tasks.charlm:CharLMTask",
+        task_args={"step_delay_ms": slow_ms} if slow else None,
+    )
     spec["_child_arm"] = arm.split("_")[0]
     spec["loop_thread"] = arm == "bare_thread"
     spec["tune_allocator"] = arm == "bare_tuned"
@@ -216,8 +235,14 @@ def arm_spec(arm: str, work: str, *, epochs: int, ckpt_every: int, steps_per_epo
 
 
 # ====================================================================== one repeat
-def run_repeat(labels: list[str], specs: dict[str, dict[str, Any]], works: dict[str, str], slice_s: float,
-               timeout_s: float, tag: str) -> dict[str, Any]:
+def run_repeat(
+    labels: list[str],
+    specs: dict[str, dict[str, Any]],
+    works: dict[str, str],
+    slice_s: float,
+    timeout_s: float,
+    tag: str,
+) -> dict[str, Any]:
     freezers = {lab: Freezer(f"{tag}_{lab}") for lab in labels}
     procs: dict[str, subprocess.Popen[bytes]] = {}
     intervals: dict[str, list[Interval]] = {lab: [] for lab in labels}
@@ -227,17 +252,23 @@ def run_repeat(labels: list[str], specs: dict[str, dict[str, Any]], works: dict[
     cpu: dict[str, list[tuple[float, dict[int, tuple[str, int]]]]] = {lab: [] for lab in labels}
     t_start = time.time()
     try:
-        for lab in labels:  # start each arm, then freeze it at once: nothing of it has run yet but Python start
+        for (
+            lab
+        ) in labels:  # start each arm, then freeze it at once: nothing of it has run yet but Python start
             t = time.time()
-            procs[lab] = launch_arm(specs[lab]["_child_arm"], specs[lab], works[lab], preexec_fn=freezers[lab].join)
+            procs[lab] = launch_arm(
+                specs[lab]["_child_arm"], specs[lab], works[lab], preexec_fn=freezers[lab].join
+            )
             started[lab] = t
             freezers[lab].freeze()
             intervals[lab].append((t, time.time()))
         deadline = time.monotonic() + timeout_s
         while len(exited) < len(labels):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"arms still running after {timeout_s:.0f}s: "
-                                   f"{[lab for lab in labels if lab not in exited]}")
+                raise TimeoutError(
+                    f"arms still running after {timeout_s:.0f}s: "
+                    f"{[lab for lab in labels if lab not in exited]}"
+                )
             for lab in labels:
                 if lab in exited:
                     continue
@@ -253,8 +284,11 @@ def run_repeat(labels: list[str], specs: dict[str, dict[str, Any]], works: dict[
                 intervals[lab].append((t_on, time.time()))
                 cpu[lab].append((time.time(), cpu_ticks(fz.pids())))  # frozen: the counts hold still
                 if lab in exited:
-                    print(f"  {lab} finished: {exited[lab] - t_start:.0f}s wall, "
-                          f"{active_between(intervals[lab], t_start, exited[lab]):.1f}s active", flush=True)
+                    print(
+                        f"  {lab} finished: {exited[lab] - t_start:.0f}s wall, "
+                        f"{active_between(intervals[lab], t_start, exited[lab]):.1f}s active",
+                        flush=True,
+                    )
     finally:
         for lab, proc in procs.items():
             if lab not in rcs:
@@ -263,8 +297,16 @@ def run_repeat(labels: list[str], specs: dict[str, dict[str, Any]], works: dict[
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 rcs[lab] = -9
-        results = {lab: collect_arm(specs[lab]["_child_arm"], specs[lab], works[lab], rcs.get(lab, -9),
-                                    time.time() - started.get(lab, t_start)) for lab in procs}
+        results = {
+            lab: collect_arm(
+                specs[lab]["_child_arm"],
+                specs[lab],
+                works[lab],
+                rcs.get(lab, -9),
+                time.time() - started.get(lab, t_start),
+            )
+            for lab in procs
+        }
         for fz in freezers.values():
             fz.remove()
     until = min(exited.values()) if exited else t_start  # after this, the others ran without slicing
@@ -274,7 +316,9 @@ def run_repeat(labels: list[str], specs: dict[str, dict[str, Any]], works: dict[
         res = results[lab]
         if "error" not in res:
             epochs_of[lab] = epoch_active_times(res.get("epoch_end_times", []), intervals[lab], until)
-    common = min((len(e) for e in epochs_of.values()), default=0)  # epochs 2..common+1 ran sliced in every arm
+    common = min(
+        (len(e) for e in epochs_of.values()), default=0
+    )  # epochs 2..common+1 ran sliced in every arm
     out["common_epochs"] = common
     for lab in labels:
         res = results[lab]
@@ -291,7 +335,8 @@ def run_repeat(labels: list[str], specs: dict[str, dict[str, Any]], works: dict[
                 "cpu_ms_per_step": {k: 1000 * v / steps for k, v in cpu_s.items()} if steps else {},
                 "epoch_mean_s": statistics.fmean(epochs[:common]) if common else None,
                 "epoch_median_s": statistics.median(epochs[:common]) if common else None,
-                "first_step_active_s": active_between(iv, t0, t0 + res["first_step_s"]) if res["first_step_s"]
+                "first_step_active_s": active_between(iv, t0, t0 + res["first_step_s"])
+                if res["first_step_s"]
                 else None,
                 "total_active_s": active_between(iv, t0, t_end),
                 "wall_s": t_end - t0,
@@ -332,18 +377,25 @@ def summarize(repeats: list[dict[str, Any]], labels: list[str]) -> dict[str, Any
     for lab in labels:
         ils = [rep["arms"].get(lab, {}).get("interleaved", {}) for rep in repeats]
         cpus = [il["cpu_ms_per_step"] for il in ils if il.get("cpu_ms_per_step")]
-        per_arm[lab] = {"epoch_mean_s": [il.get("epoch_mean_s") for il in ils],
-                        "cpu_ms_per_step": {k: statistics.median(c[k] for c in cpus) for k in ("workers", "rest")}
-                        if cpus else {}}
+        per_arm[lab] = {
+            "epoch_mean_s": [il.get("epoch_mean_s") for il in ils],
+            "cpu_ms_per_step": {k: statistics.median(c[k] for c in cpus) for k in ("workers", "rest")}
+            if cpus
+            else {},
+        }
         if lab == base:
             continue
         rs = _ratios(repeats, lab, base, "epoch_mean_s")
         if rs:
             m, se = mean_se(rs)
             med = _ratios(repeats, lab, base, "epoch_median_s")
-            ratios[f"{lab}/{base}"] = {"per_repeat": rs, "mean": m, "se": se,
-                                       "upper95": None if math.isnan(se) else m + 1.96 * se,
-                                       "median_epoch_ratio_per_repeat": med}
+            ratios[f"{lab}/{base}"] = {
+                "per_repeat": rs,
+                "mean": m,
+                "se": se,
+                "upper95": None if math.isnan(se) else m + 1.96 * se,
+                "median_epoch_ratio_per_repeat": med,
+            }
     return {"base": base, "per_arm": per_arm, "epoch_ratios": ratios}
 
 
@@ -351,34 +403,58 @@ def print_summary(summary: dict[str, Any]) -> None:
     print("\nsteady-state epoch: mean active seconds over the epochs all arms ran sliced, per repeat:")
     for lab, a in summary["per_arm"].items():
         print(f"  {lab:12} " + " ".join("-" if v is None else f"{v:.3f}" for v in a["epoch_mean_s"]))
-    print("CPU per step over those epochs, median over repeats (ranks = the two busiest processes; rest = the "
-          "arm's other processes):")
+    print(
+        "CPU per step over those epochs, median over repeats (ranks = the two busiest processes; rest = the "
+        "arm's other processes):"
+    )
     for lab, a in summary["per_arm"].items():
         if a.get("cpu_ms_per_step"):
-            print(f"  {lab:12} ranks {a['cpu_ms_per_step']['workers']:.1f} ms, rest {a['cpu_ms_per_step']['rest']:.2f} ms")
+            print(
+                f"  {lab:12} ranks {a['cpu_ms_per_step']['workers']:.1f} ms, "
+                f"rest {a['cpu_ms_per_step']['rest']:.2f} ms"
+            )
     for name, r in summary["epoch_ratios"].items():
-        print(f"\n{name}: per repeat " + " ".join(f"{v:.4f}" for v in r["per_repeat"])
-              + "   (median-epoch ratio: " + " ".join(f"{v:.4f}" for v in r["median_epoch_ratio_per_repeat"]) + ")")
+        print(
+            f"\n{name}: per repeat "
+            + " ".join(f"{v:.4f}" for v in r["per_repeat"])
+            + "   (median-epoch ratio: "
+            + " ".join(f"{v:.4f}" for v in r["median_epoch_ratio_per_repeat"])
+            + ")"
+        )
         se = "-" if math.isnan(r["se"]) else f"{r['se']:.4f}"
         up = "-" if r["upper95"] is None else f"{r['upper95']:.4f}"
         print(f"  mean {r['mean']:.4f}x +- {se} (s.e.), mean + 1.96 s.e. = {up}")
         if name.startswith("product/"):
             ok = r["upper95"] is not None and r["upper95"] <= TARGET_EPOCH
-            print(f"  steady-epoch target <= {TARGET_EPOCH}x: {'met' if ok else 'NOT shown'} "
-                  f"(judged on mean + 1.96 s.e.)")
+            print(
+                f"  steady-epoch target <= {TARGET_EPOCH}x: {'met' if ok else 'NOT shown'} "
+                f"(judged on mean + 1.96 s.e.)"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_interleaved", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_interleaved",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--arms", default="product,bare", help=f"comma list from {ARMS}; an arm may repeat")
     p.add_argument("--epochs", type=int, default=12)
     p.add_argument("--slice", type=float, default=0.1, help="seconds each arm runs before the next is thawed")
-    p.add_argument("--ckpt-every", type=int, default=25,
-                   help="checkpoint every N steps in every arm (and at every epoch end); a large N leaves epoch ends only")
-    p.add_argument("--slow-ms", type=float, default=1.2, help="extra milliseconds per step of the bare_slow arm")
-    p.add_argument("--timeout", type=float, default=900, help="seconds per repeat before everything is killed")
+    p.add_argument(
+        "--ckpt-every",
+        type=int,
+        default=25,
+        help="checkpoint every N steps in every arm (and at every epoch end); "
+        "a large N leaves epoch ends only",
+    )
+    p.add_argument(
+        "--slow-ms", type=float, default=1.2, help="extra milliseconds per step of the bare_slow arm"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=900, help="seconds per repeat before everything is killed"
+    )
     p.add_argument("--json", help="write every repeat and the summary to this file")
     p.add_argument("--summarize", metavar="JSON", help="print the summary of an earlier --json file and exit")
     args = p.parse_args(argv)
@@ -406,15 +482,24 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     try:
         for rep in range(args.repeats):
-            order = labels[rep % len(labels):] + labels[: rep % len(labels)]  # who runs first rotates
+            order = labels[rep % len(labels) :] + labels[: rep % len(labels)]  # who runs first rotates
             specs, works = {}, {}
             for i, lab in enumerate(order):
                 work = os.path.join(scratch, f"{rep}_{i}")
                 os.makedirs(work)
-                specs[lab] = arm_spec(lab.split("#")[0], work, epochs=args.epochs, ckpt_every=args.ckpt_every,
-                                      steps_per_epoch=spe, slow_ms=args.slow_ms)
+                specs[lab] = arm_spec(
+                    lab.split("#")[0],
+                    work,
+                    epochs=args.epochs,
+                    ckpt_every=args.ckpt_every,
+                    steps_per_epoch=spe,
+                    slow_ms=args.slow_ms,
+                )
                 works[lab] = work
-            print(f"[repeat {rep + 1}/{args.repeats}] {', '.join(order)} time-sliced ({args.slice}s) ...", flush=True)
+            print(
+                f"[repeat {rep + 1}/{args.repeats}] {', '.join(order)} time-sliced ({args.slice}s) ...",
+                flush=True,
+            )
             res = run_repeat(order, specs, works, args.slice, args.timeout, f"{tag}_{rep}")
             res["repeat"] = rep
             repeats.append(res)
@@ -427,10 +512,16 @@ def main(argv: list[str] | None = None) -> int:
                     il = a["interleaved"]
                     mean = "-" if il["epoch_mean_s"] is None else f"{il['epoch_mean_s']:.3f}s"
                     cpu = il["cpu_ms_per_step"]
-                    cpu_txt = f", CPU/step: ranks {cpu['workers']:.1f} ms, rest {cpu['rest']:.2f} ms" if cpu else ""
-                    print(f"  {lab:12} epoch {mean} active (mean of {res['common_epochs']} epochs){cpu_txt}, first step "
-                          f"{il['first_step_active_s']:.2f}s, "
-                          f"total {il['total_active_s']:.2f}s active / {il['wall_s']:.1f}s wall", flush=True)
+                    cpu_txt = (
+                        f", CPU/step: ranks {cpu['workers']:.1f} ms, rest {cpu['rest']:.2f} ms" if cpu else ""
+                    )
+                    print(
+                        f"  {lab:12} epoch {mean} active (mean of {res['common_epochs']} epochs){cpu_txt}, "
+                        "first step "
+                        f"{il['first_step_active_s']:.2f}s, "
+                        f"total {il['total_active_s']:.2f}s active / {il['wall_s']:.1f}s wall",
+                        flush=True,
+                    )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     summary = summarize(repeats, labels)
@@ -438,14 +529,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         doc = {
             "benchmark": "bench_interleaved",
-            "command": " ".join([os.path.basename(sys.executable), "-m", "benchmarks.bench_interleaved",
-                                 *(sys.argv[1:] if argv is None else argv)]),
+            "command": " ".join(
+                [
+                    os.path.basename(sys.executable),
+                    "-m",
+                    "benchmarks.bench_interleaved",
+                    *(sys.argv[1:] if argv is None else argv),
+                ]
+            ),
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-            "workload": {"task_args": TASK_ARGS, "workers": 2, "global_batch": 64, "epochs": args.epochs,
-                         "steps_per_epoch": spe, "ckpt_every_steps": args.ckpt_every, "slice_s": args.slice,
-                         "slow_ms": args.slow_ms},
-            "labels": labels, "wall_s": time.time() - t_all, "repeats": repeats, **summary,
+            "machine": {
+                "cpus": os.cpu_count(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+            },
+            "workload": {
+                "task_args": TASK_ARGS,
+                "workers": 2,
+                "global_batch": 64,
+                "epochs": args.epochs,
+                "steps_per_epoch": spe,
+                "ckpt_every_steps": args.ckpt_every,
+                "slice_s": args.slice,
+                "slow_ms": args.slow_ms,
+            },
+            "labels": labels,
+            "wall_s": time.time() - t_all,
+            "repeats": repeats,
+            **summary,
         }
         with open(args.json, "w") as fh:
             json.dump(doc, fh, indent=1, default=str)

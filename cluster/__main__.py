@@ -45,21 +45,33 @@ def _parser() -> argparse.ArgumentParser:
 
     def add(name: str, help_text: str) -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=help_text, description=help_text)
-        cmd.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
-                         help="fsspec storage option (repeatable), e.g. endpoint_url=http://127.0.0.1:9000")
+        cmd.add_argument(
+            "-o",
+            "--option",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="fsspec storage option (repeatable), e.g. endpoint_url=http://127.0.0.1:9000",
+        )
         return cmd
 
     ls = add("list", "the runs under a storage URL, one line each")
     ls.add_argument("url", help="storage URL that holds runs, e.g. ./runs or s3://bucket/runs")
-    ls.add_argument("--no-verify", action="store_true",
-                    help="show the newest committed checkpoint without reading it to check its checksums")
+    ls.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="show the newest committed checkpoint without reading it to check its checksums",
+    )
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     show = add("show", "one run: config, status, failures and recoveries, checkpoints, latest metrics")
     show.add_argument("url", help="URL/NAME of a run, or the storage URL when NAME is given")
     show.add_argument("name", nargs="?", help="run name under URL")
-    show.add_argument("--verify", action="store_true",
-                      help="checksum every checkpoint (default: only the latest, the one a resume loads)")
+    show.add_argument(
+        "--verify",
+        action="store_true",
+        help="checksum every checkpoint (default: only the latest, the one a resume loads)",
+    )
     show.add_argument("--json", action="store_true", help="print JSON instead of text")
 
     pl = add("plot", "loss and throughput (samples/s) vs global step, as a PNG")
@@ -91,7 +103,11 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps([asdict(r) for r in runs], indent=1) if args.json else inspect.format_list(runs))
         elif args.command == "show":
             report = inspect.report(inspect.open_run(args.url, args.name, options), verify_all=args.verify)
-            print(json.dumps(asdict(report), indent=1, default=str) if args.json else inspect.format_show(report))
+            print(
+                json.dumps(asdict(report), indent=1, default=str)
+                if args.json
+                else inspect.format_show(report)
+            )
         elif args.command == "plot":
             storage = inspect.open_run(args.url, args.name, options)
             width, height = plot.plot_png(storage, args.out)

@@ -98,7 +98,13 @@ class CheckpointStore:
         for name, data in files.items():
             self.storage.write_bytes(f"{d}/{name}", data)
             entries[name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
-        manifest = {**meta, "step": step, "format": FORMAT_VERSION, "files": entries, "committed_at": time.time()}
+        manifest = {
+            **meta,
+            "step": step,
+            "format": FORMAT_VERSION,
+            "files": entries,
+            "committed_at": time.time(),
+        }
         self.storage.write_atomic(f"{d}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
         return CheckpointInfo(step=step, url=self.storage.url(d), manifest=manifest)
 
@@ -172,7 +178,9 @@ class CheckpointStore:
                 skipped.append((info.step, str(exc)))
                 continue
             except Exception as exc:  # an unpickling refusal (weights_only) or a truncated stream
-                skipped.append((info.step, f"{info.url} cannot be loaded safely: {type(exc).__name__}: {exc}"))
+                skipped.append(
+                    (info.step, f"{info.url} cannot be loaded safely: {type(exc).__name__}: {exc}")
+                )
                 continue
             return LoadedCheckpoint(info=info, files=files, skipped=skipped)
         return None
@@ -180,7 +188,9 @@ class CheckpointStore:
     def load_step(self, step: int) -> dict[str, Any]:
         info = self._info(step)
         if info is None:
-            raise CheckpointError(f"checkpoint at step {step} has no manifest under {self.storage.url(CKPT_DIR)}")
+            raise CheckpointError(
+                f"checkpoint at step {step} has no manifest under {self.storage.url(CKPT_DIR)}"
+            )
         return {name: deserialize(data) for name, data in self.read_verified(info).items()}
 
     def retain(self, keep_last: int) -> builtins.list[int]:

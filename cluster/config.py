@@ -55,7 +55,8 @@ class ScalingConfig:
     """Scheduling niceness of the training processes (-20..19; lower runs first). Ray starts its worker
     processes at 15, below its own daemons and every other process, so on a node whose cores the ranks fill
     each of those wakeups stalls the whole gang; 0 trains at normal priority. A value below the current one
-    needs CAP_SYS_NICE (root in most containers): the embedded Ray starts its workers at 0 so it needs none; on
+    needs CAP_SYS_NICE (root in most containers): the embedded Ray starts its workers at 0 so it needs none;
+    on
     a cluster, start Ray with ``RAY_worker_niceness=0`` or the driver warns that the workers stayed at 15.
     null keeps Ray's."""
     tune_allocator: bool = True
@@ -308,7 +309,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 def load_config(
     path: str | None = None, overrides: list[str] | None = None, data: dict[str, Any] | None = None
 ) -> JobConfig:
-    """Load a YAML file (or a dict), apply ``key=value`` overrides, validate; raise ConfigError on any fault."""
+    """Load a YAML file (or a dict), apply ``key=value`` overrides, validate; raise ConfigError on any
+    fault."""
     raw: dict[str, Any] = {}
     if path is not None:
         try:
@@ -364,7 +366,8 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"scaling.resource_wait_s={s.resource_wait_s} must be positive")
     if s.worker_niceness is not None and not -20 <= s.worker_niceness <= 19:
         raise ConfigError(
-            f"scaling.worker_niceness={s.worker_niceness} is not a niceness; use -20..19 (0: normal priority) or null"
+            f"scaling.worker_niceness={s.worker_niceness} is not a niceness; "
+            "use -20..19 (0: normal priority) or null"
         )
     for k, v in s.resources_per_worker.items():
         if v < 0:
@@ -407,7 +410,8 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"failures.hang_timeout_floor_s={f.hang_timeout_floor_s} must be positive")
     if f.backoff_s < 0 or f.backoff_max_s < f.backoff_s:
         raise ConfigError(
-            f"failures.backoff_s={f.backoff_s} must be >= 0 and at most failures.backoff_max_s={f.backoff_max_s}"
+            f"failures.backoff_s={f.backoff_s} must be >= 0 and at most "
+            f"failures.backoff_max_s={f.backoff_max_s}"
         )
     if f.process_group_timeout_s <= 0:
         raise ConfigError(f"failures.process_group_timeout_s={f.process_group_timeout_s} must be positive")
@@ -475,7 +479,11 @@ def field_docs() -> list[tuple[str, str, str, str]]:
             else:
                 default = repr(f.default_factory())  # type: ignore[operator]
             type_text = str(tp).replace("typing.", "").replace("cluster.config.", "")
-            if typing.get_origin(tp) is Union and len(typing.get_args(tp)) > 1 and type(None) not in typing.get_args(tp):
+            if (
+                typing.get_origin(tp) is Union
+                and len(typing.get_args(tp)) > 1
+                and type(None) not in typing.get_args(tp)
+            ):
                 type_text = " | ".join(_accepts_type(a) for a in typing.get_args(tp))
             rows.append((key, type_text, default, docs.get(f.name, "")))
 

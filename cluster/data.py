@@ -134,7 +134,9 @@ def read_parquet(
     except Exception as exc:
         raise ConfigError(f"cannot read dataset {url!r}: {redact(str(exc), opts)}") from None
     if not files:
-        raise ConfigError(f"dataset {url!r} has no Parquet files; write one first (python -m jobs.make_tabular)")
+        raise ConfigError(
+            f"dataset {url!r} has no Parquet files; write one first (python -m jobs.make_tabular)"
+        )
     try:
         dataset = pads.dataset(files, filesystem=fs, format="parquet")
     except Exception as exc:  # pyarrow.ArrowInvalid: not Parquet, or truncated
@@ -150,11 +152,15 @@ def read_parquet(
             )
         tp = schema.field(col).type
         if not (pat.is_integer(tp) or pat.is_floating(tp) or pat.is_boolean(tp)):
-            raise ConfigError(f"dataset {url!r}: column {col!r} has type {tp}, but a numeric column is needed")
+            raise ConfigError(
+                f"dataset {url!r}: column {col!r} has type {tp}, but a numeric column is needed"
+            )
     try:
         table = dataset.to_table(columns=list(columns))
     except Exception as exc:  # files whose schemas disagree, or a file that cannot be decoded
-        raise ConfigError(f"cannot read columns {list(columns)} of dataset {url!r}: {redact(str(exc), opts)}") from None
+        raise ConfigError(
+            f"cannot read columns {list(columns)} of dataset {url!r}: {redact(str(exc), opts)}"
+        ) from None
     if table.num_rows == 0:
         raise ConfigError(f"dataset {url!r} is empty (0 rows)")
     out = {}

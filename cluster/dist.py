@@ -8,10 +8,13 @@ and hopes it is still free.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 
 def bind_store(world_size: int, timeout_s: float) -> tuple[dist.TCPStore, int]:
@@ -68,5 +71,5 @@ def destroy_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
-        except Exception:
-            pass
+        except Exception as exc:  # a broken group (a peer died) may fail to tear down; the process moves on
+            logger.warning("destroy_process_group failed: %s: %s", type(exc).__name__, exc)

@@ -47,7 +47,8 @@ def config_reference() -> str:
     ]
     for key, type_text, default, doc in field_docs():
         lines.append(
-            f"| `{key}` | `{_cell(_type_text(type_text))}` | `{_cell(_default_text(default))}` | {_cell(doc)} |"
+            f"| `{key}` | `{_cell(_type_text(type_text))}` | "
+            f"`{_cell(_default_text(default))}` | {_cell(doc)} |"
         )
     lines.append(END)
     return "\n".join(lines) + "\n"

@@ -52,7 +52,6 @@ __version__ = "0.1.0"
 logger = logging.getLogger(__name__)
 
 
-
 # ---------------------------------------------------------------------------------------------- states
 class State:
     """A state of the driver. Each carries what its step needs; ``Driver._step`` returns the next one."""
@@ -83,7 +82,9 @@ class RecoveryTiming:
     task_s: float = 0.0
     checkpoint_load_s: float = 0.0
 
-    def group_started(self, t_reserved: float, t_ready: float, infos: list[SetupInfo], resume_step: int) -> None:
+    def group_started(
+        self, t_reserved: float, t_ready: float, infos: list[SetupInfo], resume_step: int
+    ) -> None:
         self.t_reserved, self.t_ready, self.resume_step = t_reserved, t_ready, resume_step
         self.actors_s = max(i.timings["start"] for i in infos) - t_reserved
         self.rendezvous_s = max(i.timings["process_group"] - i.timings["start"] for i in infos)
@@ -149,7 +150,8 @@ class Recovering(State):
 
 @dataclass(frozen=True)
 class Resizing(State):
-    """At an epoch boundary, resources for more workers returned: flush, stop this gang, start a larger one."""
+    """At an epoch boundary, resources for more workers returned: flush, stop this gang, start a larger
+    one."""
 
     name: ClassVar[str] = "resizing"
     new_size: int
@@ -338,11 +340,14 @@ class Driver:
             try:
                 store.read_verified(info)
             except (CheckpointError, StorageError) as exc:
-                logger.warning("final checkpoint at step %d does not verify, looking further back: %s", info.step, exc)
+                logger.warning(
+                    "final checkpoint at step %d does not verify, looking further back: %s", info.step, exc
+                )
                 continue
             self.global_step, self.epoch = info.step, info.epoch
             self._print(
-                f"[{self.cfg.name}] all {self.cfg.training.epochs} epochs are already done (checkpoint at step "
+                f"[{self.cfg.name}] all {self.cfg.training.epochs} epochs are already done "
+                "(checkpoint at step "
                 f"{self.global_step}); nothing to train"
             )
             self.events.append("already_complete", global_step=self.global_step)
@@ -375,7 +380,9 @@ class Driver:
                 "resize",
                 old=self.world_size or target,
                 new=n,
-                reason=f"resources for {target} workers not available within {cfg.scaling.resource_wait_s:g}s",
+                reason=(
+                    f"resources for {target} workers not available within {cfg.scaling.resource_wait_s:g}s"
+                ),
             )
             self._print(f"continuing with {n}/{target} workers (scaling.min_workers={minimum})")
         try:
@@ -427,7 +434,9 @@ class Driver:
         if s.recovery is not None:
             s.recovery.group_started(t_reserved, t_ready, infos, r.global_step)
         where = (
-            f"from step {r.global_step} (epoch {r.epoch + 1}, step {r.step_in_epoch})" if r.global_step else "fresh"
+            f"from step {r.global_step} (epoch {r.epoch + 1}, step {r.step_in_epoch})"
+            if r.global_step
+            else "fresh"
         )
         self._print(
             f"[{cfg.name}] attempt {self.attempt}: {n} workers ({head.backend}) ready in "
@@ -524,7 +533,9 @@ class Driver:
         }
         remaining_steps = (cfg.training.epochs - head.epoch - 1) * self.steps_per_epoch
         eta = remaining_steps * (wall_s / max(1, head.steps))
-        self._display.epoch_line(head.epoch, cfg.training.epochs, head.global_step, head.loss, samples_per_s, eta)
+        self._display.epoch_line(
+            head.epoch, cfg.training.epochs, head.global_step, head.loss, samples_per_s, eta
+        )
         self.epoch = head.epoch + 1
         self._streak = 0
 
@@ -545,7 +556,11 @@ class Driver:
         for c in self.group.finish():
             self._commit_event(c)
         self.events.append(
-            "resize", old=self.world_size, new=s.new_size, reason="resources returned", at_step=self.global_step
+            "resize",
+            old=self.world_size,
+            new=s.new_size,
+            reason="resources returned",
+            at_step=self.global_step,
         )
         self._print(f"resources returned: growing {self.world_size} -> {s.new_size} workers")
         self.group.shutdown(graceful=True)
@@ -581,7 +596,9 @@ class Driver:
             timing.reused_workers = salvage.count if salvage is not None else 0
             self.group = None
         timing.t_teardown = time.time()
-        self.events.append("decision", restart=decision.restart, reason=decision.reason, delay_s=decision.delay_s)
+        self.events.append(
+            "decision", restart=decision.restart, reason=decision.reason, delay_s=decision.delay_s
+        )
         if not decision.restart:
             detail = failure.error.traceback if failure.error is not None else failure.message
             return self._fail(
@@ -737,7 +754,8 @@ def _check_compatible(previous: dict[str, Any], cfg: JobConfig) -> None:
         if old is not None and old != new:
             name = f"{section}.{key}" if section else key
             raise ConfigError(
-                f"{name}={new!r} differs from {old!r} in the existing run {cfg.name!r}; resuming would mix two "
+                f"{name}={new!r} differs from {old!r} in the existing run {cfg.name!r}; "
+                "resuming would mix two "
                 f"different trainings. Keep {name}={old!r}, or choose a new name (--set name=...)"
             )
 
@@ -781,7 +799,8 @@ def check_cluster(cfg: JobConfig) -> None:
     total = ray.cluster_resources()
     if cfg.scaling.use_gpu and total.get("GPU", 0) < 1:
         raise ConfigError(
-            "scaling.use_gpu=true but the Ray cluster has no GPUs; set scaling.use_gpu=false to train on CPUs, "
+            "scaling.use_gpu=true but the Ray cluster has no GPUs; "
+            "set scaling.use_gpu=false to train on CPUs, "
             "or connect to a cluster with GPU nodes (RAY_ADDRESS)"
         )
 

@@ -7,7 +7,7 @@ message a worker raised.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 
 class ClusterError(Exception):
@@ -63,11 +63,14 @@ class TrainingFailedError(ClusterError):
     """The job gave up: failure budget exhausted or a deterministic bug. Checkpoints are left intact."""
 
 
+FailureKind = Literal["worker_died", "node_lost", "hang", "user_error", "start_failed"]
+
+
 @dataclass
 class Failure:
-    """Why a worker group stopped. ``kind``: worker_died, node_lost, hang, user_error or start_failed."""
+    """Why a worker group stopped: what the worker group hands the driver (``WorkerGroup.classify``)."""
 
-    kind: str
+    kind: FailureKind
     rank: int | None
     message: str
     error: WorkerError | None = None

@@ -93,7 +93,8 @@ def run_names(root: Storage) -> list[str]:
 
 
 def open_run(url: str, name: str | None = None, options: dict[str, Any] | None = None) -> Storage:
-    """The storage of one run, from ``URL NAME`` or ``URL/NAME``; InspectError naming the runs there if none."""
+    """The storage of one run, from ``URL NAME`` or ``URL/NAME``; InspectError naming the runs there if
+    none."""
     if name is not None:
         root_url, run = normalize_url(url), name
     else:
@@ -149,7 +150,7 @@ def run_status(events: list[dict[str, Any]]) -> str:
     """finished / failed from the terminal event after the last ``run_start``; otherwise the run is still
     going or its driver died (storage cannot tell those apart)."""
     starts = [i for i, e in enumerate(events) if e.get("event") == "run_start"]
-    tail = events[starts[-1]:] if starts else events
+    tail = events[starts[-1] :] if starts else events
     for e in reversed(tail):
         kind = e.get("event")
         if kind in ("finished", "already_complete"):
@@ -197,14 +198,21 @@ def checkpoint_rows(storage: Storage, verify: str = "latest") -> list[Checkpoint
             break
     rows = [
         CheckpointRow(
-            step=i.step, epoch=i.manifest.get("epoch"), step_in_epoch=i.manifest.get("step_in_epoch"), bytes=i.total_bytes, files=len(i.manifest["files"]),
-            verified=(verdict[i.step] is None) if i.step in verdict else None, problem=verdict.get(i.step),
+            step=i.step,
+            epoch=i.manifest.get("epoch"),
+            step_in_epoch=i.manifest.get("step_in_epoch"),
+            bytes=i.total_bytes,
+            files=len(i.manifest["files"]),
+            verified=(verdict[i.step] is None) if i.step in verdict else None,
+            problem=verdict.get(i.step),
         )
         for i in infos
     ]
     for step in store.steps_on_storage():
         if step not in committed:
-            rows.append(CheckpointRow(step, None, None, 0, 0, False, "no manifest: torn or in progress, never loaded"))
+            rows.append(
+                CheckpointRow(step, None, None, 0, 0, False, "no manifest: torn or in progress, never loaded")
+            )
     return sorted(rows, key=lambda r: r.step)
 
 
@@ -214,7 +222,11 @@ def _latest(rows: list[CheckpointRow], verify: str) -> int | None:
 
 
 def summarize(
-    name: str, storage: Storage, events: list[dict[str, Any]], rows: list[CheckpointRow], verify: str,
+    name: str,
+    storage: Storage,
+    events: list[dict[str, Any]],
+    rows: list[CheckpointRow],
+    verify: str,
     config: dict[str, Any],
 ) -> RunSummary:
     epochs_done, step, loss = 0, 0, None
@@ -233,9 +245,15 @@ def summarize(
     current = starts[-1]["config"] if starts else config
     total = current.get("training", {}).get("epochs")
     return RunSummary(
-        name=name, url=storage.root, status=run_status(events), epochs_done=epochs_done,
-        epochs_total=total if isinstance(total, int) else None, global_step=max(step, latest or 0),
-        latest_checkpoint=latest, last_loss=loss, attempts=count_attempts(events),
+        name=name,
+        url=storage.root,
+        status=run_status(events),
+        epochs_done=epochs_done,
+        epochs_total=total if isinstance(total, int) else None,
+        global_step=max(step, latest or 0),
+        latest_checkpoint=latest,
+        last_loss=loss,
+        attempts=count_attempts(events),
         failures=sum(e.get("event") == "failure" for e in events),
         submissions=sum(e.get("event") == "run_start" for e in events),
     )
@@ -251,7 +269,11 @@ def list_runs(url: str, options: dict[str, Any] | None = None, verify: bool = Tr
     for name in names:
         storage = Storage(join(root.root, name), options)
         rows = checkpoint_rows(storage, mode)
-        out.append(summarize(name, storage, read_events(storage), rows, mode, read_run_json(storage).get("config", {})))
+        out.append(
+            summarize(
+                name, storage, read_events(storage), rows, mode, read_run_json(storage).get("config", {})
+            )
+        )
     return out
 
 
@@ -261,18 +283,28 @@ def failure_records(events: list[dict[str, Any]]) -> list[FailureRecord]:
     indices = [i for i, e in enumerate(events) if e.get("event") == "failure"]
     for n, i in enumerate(indices):
         end = indices[n + 1] if n + 1 < len(indices) else len(events)
-        after = events[i + 1:end]
+        after = events[i + 1 : end]
         decision = next((e for e in after if e.get("event") == "decision"), None)
         recovered = next((e for e in after if e.get("event") == "recovered"), None)
         e = events[i]
-        out.append(FailureRecord(
-            attempt=e.get("attempt"), kind=str(e.get("kind", "?")), rank=e.get("rank"), step=e.get("step"),
-            message=str(e.get("message", "")).strip().splitlines()[0][:200] if e.get("message") else "",
-            decision=None if decision is None else ("restart" if decision.get("restart") else "gave up: "
-                                                    + str(decision.get("reason", ""))[:120]),
-            recovery_s=None if recovered is None else recovered.get("detect_to_first_step_s"),
-            lost_steps=None if recovered is None else recovered.get("lost_steps"),
-        ))
+        out.append(
+            FailureRecord(
+                attempt=e.get("attempt"),
+                kind=str(e.get("kind", "?")),
+                rank=e.get("rank"),
+                step=e.get("step"),
+                message=str(e.get("message", "")).strip().splitlines()[0][:200] if e.get("message") else "",
+                decision=None
+                if decision is None
+                else (
+                    "restart"
+                    if decision.get("restart")
+                    else "gave up: " + str(decision.get("reason", ""))[:120]
+                ),
+                recovery_s=None if recovered is None else recovered.get("detect_to_first_step_s"),
+                lost_steps=None if recovered is None else recovered.get("lost_steps"),
+            )
+        )
     return out
 
 
@@ -280,7 +312,11 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """``{"training": {"epochs": 3}}`` -> ``{"training.epochs": 3}`` (the keys ``--set`` takes)."""
     out: dict[str, Any] = {}
     for key, value in data.items():
-        if isinstance(value, dict) and value and key not in ("task_args", "options", "env", "resources_per_worker"):
+        if (
+            isinstance(value, dict)
+            and value
+            and key not in ("task_args", "options", "env", "resources_per_worker")
+        ):
             out.update(flatten(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
@@ -295,21 +331,33 @@ def report(storage: Storage, verify_all: bool = False) -> RunReport:
     rows = checkpoint_rows(storage, mode)
     name = str(info.get("name") or storage.root.rsplit("/", 1)[-1])
     summary = summarize(name, storage, events, rows, mode, config)
-    starts = [e["config"] for e in events if e.get("event") == "run_start" and isinstance(e.get("config"), dict)]
+    starts = [
+        e["config"] for e in events if e.get("event") == "run_start" and isinstance(e.get("config"), dict)
+    ]
     changes: list[tuple[str, Any, Any]] = []
     if starts:
         first, last = flatten(config), flatten(starts[-1])
-        changes = [(k, first.get(k), last.get(k)) for k in sorted(set(first) | set(last)) if first.get(k) != last.get(k)]
+        changes = [
+            (k, first.get(k), last.get(k))
+            for k in sorted(set(first) | set(last))
+            if first.get(k) != last.get(k)
+        ]
     notable = ("resize", "checkpoint_skipped", "checkpoint_failed", "run_failed", "failed")
     table = read_metrics(storage)
     metric_rows = table.to_pylist()
     epochs = [r for r in metric_rows if r["kind"] == "epoch"]
     steps = [r for r in metric_rows if r["kind"] == "step"]
     return RunReport(
-        summary=summary, config=config, versions=info.get("versions", {}) or {}, created=info.get("created"),
-        config_changes=changes, failures=failure_records(events),
-        other_events=[e for e in events if e.get("event") in notable], checkpoints=rows,
-        epochs=epochs, latest_step=steps[-1] if steps else None,
+        summary=summary,
+        config=config,
+        versions=info.get("versions", {}) or {},
+        created=info.get("created"),
+        config_changes=changes,
+        failures=failure_records(events),
+        other_events=[e for e in events if e.get("event") in notable],
+        checkpoints=rows,
+        epochs=epochs,
+        latest_step=steps[-1] if steps else None,
     )
 
 
@@ -334,11 +382,14 @@ def human_bytes(n: int) -> str:
 def table(header: list[str], rows: list[list[str]], indent: str = "") -> str:
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
     lines = [header, *rows]
-    return "\n".join(indent + "  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
+    return "\n".join(
+        indent + "  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines
+    )
 
 
 def position(c: CheckpointRow) -> str:
-    """Where in training a checkpoint sits, 1-based like the progress line: ``epoch 2 done``, ``epoch 3 step 4``."""
+    """Where in training a checkpoint sits, 1-based like the progress line: ``epoch 2 done``,
+    ``epoch 3 step 4``."""
     if c.epoch is None:
         return "-"
     if not c.step_in_epoch and c.epoch > 0:
@@ -349,8 +400,16 @@ def position(c: CheckpointRow) -> str:
 def format_list(summaries: list[RunSummary]) -> str:
     header = ["NAME", "STATUS", "EPOCHS", "STEP", "CHECKPOINT", "LOSS", "ATTEMPTS", "FAILURES"]
     rows = [
-        [s.name, s.status, f"{s.epochs_done}/{_fmt(s.epochs_total)}", str(s.global_step),
-         _fmt(s.latest_checkpoint), _fmt(s.last_loss), str(s.attempts), str(s.failures)]
+        [
+            s.name,
+            s.status,
+            f"{s.epochs_done}/{_fmt(s.epochs_total)}",
+            str(s.global_step),
+            _fmt(s.latest_checkpoint),
+            _fmt(s.last_loss),
+            str(s.attempts),
+            str(s.failures),
+        ]
         for s in summaries
     ]
     return table(header, rows)
@@ -383,12 +442,25 @@ def format_show(r: RunReport) -> str:
         out += [f"    {k}: {json.dumps(old)} -> {json.dumps(new)}" for k, old, new in r.config_changes]
     out += ["", f"failures ({len(r.failures)})"]
     if r.failures:
-        out.append(table(
-            ["ATTEMPT", "KIND", "RANK", "STEP", "DECISION", "RECOVERY_S", "LOST_STEPS", "MESSAGE"],
-            [[_fmt(f.attempt), f.kind, _fmt(f.rank), _fmt(f.step), _fmt(f.decision), _fmt(f.recovery_s, 1),
-              _fmt(f.lost_steps), f.message[:80]] for f in r.failures],
-            indent="  ",
-        ))
+        out.append(
+            table(
+                ["ATTEMPT", "KIND", "RANK", "STEP", "DECISION", "RECOVERY_S", "LOST_STEPS", "MESSAGE"],
+                [
+                    [
+                        _fmt(f.attempt),
+                        f.kind,
+                        _fmt(f.rank),
+                        _fmt(f.step),
+                        _fmt(f.decision),
+                        _fmt(f.recovery_s, 1),
+                        _fmt(f.lost_steps),
+                        f.message[:80],
+                    ]
+                    for f in r.failures
+                ],
+                indent="  ",
+            )
+        )
     for e in r.other_events:
         detail = {k: v for k, v in e.items() if k not in ("time", "event")}
         out.append(f"  {_when(e.get('time'))} {e.get('event')}: {json.dumps(detail, default=str)[:200]}")
@@ -396,29 +468,54 @@ def format_show(r: RunReport) -> str:
     out += ["", f"checkpoints ({len(committed)} committed)"]
     if r.checkpoints:
         verified = {True: "yes", False: "NO", None: "unchecked"}
-        out.append(table(
-            ["STEP", "EPOCH", "SIZE", "FILES", "VERIFIED", "PROBLEM"],
-            [[str(c.step), position(c), human_bytes(c.bytes) if c.files else "-", str(c.files),
-              verified[c.verified], c.problem or ""] for c in r.checkpoints],
-            indent="  ",
-        ))
+        out.append(
+            table(
+                ["STEP", "EPOCH", "SIZE", "FILES", "VERIFIED", "PROBLEM"],
+                [
+                    [
+                        str(c.step),
+                        position(c),
+                        human_bytes(c.bytes) if c.files else "-",
+                        str(c.files),
+                        verified[c.verified],
+                        c.problem or "",
+                    ]
+                    for c in r.checkpoints
+                ],
+                indent="  ",
+            )
+        )
     out += ["", "metrics"]
     if r.latest_step is not None:
         m = r.latest_step
-        out.append(f"  latest step: global_step {m['global_step']}, loss {_fmt(m['loss'])}, lr {_fmt(m['lr'], 6)}, "
-                   f"{_fmt(m['samples_per_s'], 1)} samples/s, {_fmt(m['step_time_s'])} s/step, "
-                   f"world size {m['world_size']}, attempt {m['attempt']}")
+        out.append(
+            f"  latest step: global_step {m['global_step']}, loss {_fmt(m['loss'])}, lr {_fmt(m['lr'], 6)}, "
+            f"{_fmt(m['samples_per_s'], 1)} samples/s, {_fmt(m['step_time_s'])} s/step, "
+            f"world size {m['world_size']}, attempt {m['attempt']}"
+        )
     if r.epochs:
         shown = r.epochs[-10:]
         if len(r.epochs) > len(shown):
             out.append(f"  ({len(r.epochs) - len(shown)} earlier epochs not shown)")
-        out.append(table(
-            ["EPOCH", "STEP", "LOSS", "SAMPLES/S", "S/STEP", "CKPT_STALL_S", "WORLD", "ATTEMPT"],
-            [[str(e["epoch"] + 1), str(e["global_step"]), _fmt(e["loss"]), _fmt(e["samples_per_s"], 1),
-              _fmt(e["step_time_s"]), _fmt(e["checkpoint_stall_s"]), str(e["world_size"]), str(e["attempt"])]
-             for e in shown],
-            indent="  ",
-        ))
+        out.append(
+            table(
+                ["EPOCH", "STEP", "LOSS", "SAMPLES/S", "S/STEP", "CKPT_STALL_S", "WORLD", "ATTEMPT"],
+                [
+                    [
+                        str(e["epoch"] + 1),
+                        str(e["global_step"]),
+                        _fmt(e["loss"]),
+                        _fmt(e["samples_per_s"], 1),
+                        _fmt(e["step_time_s"]),
+                        _fmt(e["checkpoint_stall_s"]),
+                        str(e["world_size"]),
+                        str(e["attempt"]),
+                    ]
+                    for e in shown
+                ],
+                indent="  ",
+            )
+        )
     if r.latest_step is None and not r.epochs:
         out.append("  none yet")
     return "\n".join(out)

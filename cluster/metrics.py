@@ -17,7 +17,7 @@ Metrics schema (``metrics/steps-*.parquet``, one file per epoch and attempt; rea
 | checkpoint_stall_s | double | seconds training was blocked by a checkpoint at that step (0 if none) |
 | world_size | int64 | workers in the group |
 | attempt | int64 | 0 for the first start, +1 per recovery or resize |
-| m_<name> | double | each extra metric ``Task.compute_loss`` returns as ``{name: value}``: step: rank 0's value at that step; epoch: rank 0's mean over the epoch's steps; null where a row has none |
+| m_<name> | double | a ``Task.compute_loss`` extra metric: step: rank 0's value; epoch: its mean; else null |
 """
 
 from __future__ import annotations
@@ -89,7 +89,9 @@ def write_metrics(storage: Storage, rows: list[dict[str, Any]], epoch: int, atte
     if not rows:
         return None
     schema = schema_for(rows)
-    table = pa.Table.from_arrays([_column([row.get(f.name) for row in rows], f.type) for f in schema], schema=schema)
+    table = pa.Table.from_arrays(
+        [_column([row.get(f.name) for row in rows], f.type) for f in schema], schema=schema
+    )
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
     rel = f"metrics/steps-e{epoch:05d}-a{attempt:03d}-{int(time.time() * 1000)}.parquet"
@@ -103,8 +105,10 @@ def _column(values: list[Any], typ: pa.DataType) -> pa.Array:
     epoch's end, taken from the workers while they train the next epoch."""
     n = len(values)
     valid = [v is not None for v in values]
-    bitmap = None if all(valid) else pa.py_buffer(
-        sum(1 << i for i, ok in enumerate(valid) if ok).to_bytes((n + 7) // 8, "little")
+    bitmap = (
+        None
+        if all(valid)
+        else pa.py_buffer(sum(1 << i for i, ok in enumerate(valid) if ok).to_bytes((n + 7) // 8, "little"))
     )
     if pa.types.is_string(typ):
         data = [b"" if v is None else str(v).encode() for v in values]

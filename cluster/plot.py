@@ -1,6 +1,7 @@
 """``python -m cluster plot``: a run's loss and throughput vs global step, as a PNG (matplotlib, Agg).
 
-matplotlib is optional (``pip install -e '.[plot]' (from the repository root)``); without it ``plot`` raises InspectError saying so.
+matplotlib is optional (``pip install -e '.[plot]' (from the repository root)``); without it ``plot``
+raises InspectError saying so.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ def plot_png(storage: Storage, out_path: str) -> tuple[int, int]:
     try:
         import matplotlib
     except ImportError:
-        raise InspectError("plot needs matplotlib: pip install -e '.[plot]' (from the repository root)") from None
+        raise InspectError(
+            "plot needs matplotlib: pip install -e '.[plot]' (from the repository root)"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -37,15 +40,33 @@ def plot_png(storage: Storage, out_path: str) -> tuple[int, int]:
     try:
         for attempt in sorted({r["attempt"] for r in steps}):
             part = [r for r in steps if r["attempt"] == attempt]
-            ax_loss.plot([r["global_step"] for r in part], [r["loss"] for r in part], lw=1,
-                         label=f"step loss (attempt {attempt})")
-            ax_tput.plot([r["global_step"] for r in part], [r["samples_per_s"] for r in part], lw=1,
-                         label=f"attempt {attempt}")
+            ax_loss.plot(
+                [r["global_step"] for r in part],
+                [r["loss"] for r in part],
+                lw=1,
+                label=f"step loss (attempt {attempt})",
+            )
+            ax_tput.plot(
+                [r["global_step"] for r in part],
+                [r["samples_per_s"] for r in part],
+                lw=1,
+                label=f"attempt {attempt}",
+            )
         if epochs:
-            ax_loss.plot([r["global_step"] for r in epochs], [r["loss"] for r in epochs], "o", color="black",
-                         label="epoch mean loss")
-            ax_tput.plot([r["global_step"] for r in epochs], [r["samples_per_s"] for r in epochs], "o",
-                         color="black", label="epoch mean")
+            ax_loss.plot(
+                [r["global_step"] for r in epochs],
+                [r["loss"] for r in epochs],
+                "o",
+                color="black",
+                label="epoch mean loss",
+            )
+            ax_tput.plot(
+                [r["global_step"] for r in epochs],
+                [r["samples_per_s"] for r in epochs],
+                "o",
+                color="black",
+                label="epoch mean",
+            )
         for step in failures:
             if isinstance(step, int):
                 for ax in (ax_loss, ax_tput):

@@ -7,6 +7,7 @@ retries with backoff and jitter for transient errors, and error messages with cr
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -20,6 +21,8 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from cluster.errors import StorageError
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -41,7 +44,12 @@ PROBE_ENV = "CLUSTER_STORAGE_PROBE"
 # Errors that retrying cannot fix. The first group is raised as it is (callers test for a missing file);
 # the second becomes a StorageError at once.
 _MISSING: tuple[type[BaseException], ...] = (FileNotFoundError, IsADirectoryError, NotADirectoryError)
-_DENIED_NAMES = ("NoCredentialsError", "PartialCredentialsError", "InvalidAccessKeyId", "SignatureDoesNotMatch")
+_DENIED_NAMES = (
+    "NoCredentialsError",
+    "PartialCredentialsError",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+)
 
 
 def normalize_url(url: str) -> str:
@@ -144,7 +152,16 @@ class Storage:
                         f"{type(exc).__name__}: {redact(str(exc), self.options)}"
                         + (". Check the credentials in storage.options or the environment" if denied else "")
                     ) from None
-                time.sleep(delay * (0.5 + random.random()))
+                wait = delay * (0.5 + random.random())
+                logger.warning(
+                    "%s failed (attempt %d), retrying in %.1fs: %s: %s",
+                    what,
+                    attempt,
+                    wait,
+                    type(exc).__name__,
+                    redact(str(exc), self.options),
+                )
+                time.sleep(wait)
                 delay = min(delay * 2, BACKOFF_MAX_S)
                 self.fs.invalidate_cache()
 

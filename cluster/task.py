@@ -42,7 +42,8 @@ class Task:
        ``torch.manual_seed(training.seed)``, so every rank builds the same weights; the worker moves it to
        its device and wraps it in DDP), ``build_optimizer(model)`` (given the unwrapped model), then
        ``build_scheduler(optimizer, total_steps)``. A checkpoint's state is loaded into all three afterwards.
-    4. Every optimizer step: ``move_to_device(batch, device)`` then ``compute_loss(ddp_model, batch)`` once per
+    4. Every optimizer step: ``move_to_device(batch, device)`` then ``compute_loss(ddp_model, batch)`` once
+       per
        micro-batch (``training.grad_accum_steps``). ``compute_loss`` returns the mean loss over the batch and
        a dict of extra scalar metrics (floats or one-element tensors; ``{}`` for none): they are recorded in
        the metrics Parquet as ``m_<name>``, per logged step and as the epoch's mean. The worker scales the

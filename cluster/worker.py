@@ -76,7 +76,8 @@ class TrainState:
         if missing or unknown:
             raise CheckpointError(
                 f"{where} does not hold a train state of this version: missing {sorted(missing)}, unknown "
-                f"{sorted(unknown)}. Resume with the version of cluster that wrote it, or start a new run name"
+                f"{sorted(unknown)}. Resume with the version of cluster that wrote it, "
+                "or start a new run name"
             )
         return cls(
             global_step=int(state["global_step"]),
@@ -125,7 +126,8 @@ class SetupInfo:
 
 @dataclass
 class TrainSession:
-    """What ``setup`` builds for one process group; ``reset`` drops it whole, the next ``setup`` rebuilds it."""
+    """What ``setup`` builds for one process group; ``reset`` drops it whole, the next ``setup`` rebuilds
+    it."""
 
     device: torch.device
     backend: str
@@ -313,7 +315,9 @@ class Worker:
         if scheduler is not None and state.scheduler is not None:
             scheduler.load_state_dict(state.scheduler)
         self.global_step, self.epoch, self.step_in_epoch = state.global_step, state.epoch, state.step_in_epoch
-        return ResumePoint(state.global_step, state.epoch, state.step_in_epoch, url, state.world_size), skipped
+        return ResumePoint(
+            state.global_step, state.epoch, state.step_in_epoch, url, state.world_size
+        ), skipped
 
     def _session(self) -> TrainSession:
         if self.session is None:
@@ -352,7 +356,9 @@ class Worker:
             self._maybe_inject_fault()
             t0 = time.perf_counter()
             self._seed_step(s, _step_seed(tcfg.seed, self.global_step, self.rank))
-            self.task.current = StepInfo(epoch, self.global_step + 1, self.rank, self.world_size, self.attempt)
+            self.task.current = StepInfo(
+                epoch, self.global_step + 1, self.rank, self.world_size, self.attempt
+            )
             loss, metrics = self._train_step(s, local_idx)
             self.global_step += 1
             self.step_in_epoch += 1
@@ -432,7 +438,13 @@ class Worker:
         return contextlib.nullcontext()
 
     def _step_row(
-        self, s: TrainSession, loss: torch.Tensor, metrics: dict[str, Any], dt: float, stall: float, now: float
+        self,
+        s: TrainSession,
+        loss: torch.Tensor,
+        metrics: dict[str, Any],
+        dt: float,
+        stall: float,
+        now: float,
     ) -> dict[str, Any]:
         return {
             "time": now,
@@ -532,7 +544,8 @@ class Worker:
 
     def reset(self, rank: int, world_size: int, attempt: int) -> None:
         """Warm restart: end the session (process group, model, optimizer, position), keep the task and its
-        dataset. Only valid once ``run_epoch`` has returned (a worker blocked in a collective must be killed)."""
+        dataset. Only valid once ``run_epoch`` has returned (a worker blocked in a collective must be
+        killed)."""
         self.shutdown()
         self.session = None
         self._store = None
@@ -554,7 +567,9 @@ def _extra_metrics(extra: Any) -> dict[str, Any]:
     for k, v in extra.items():
         if isinstance(v, torch.Tensor):
             if v.numel() != 1:
-                raise TypeError(f"Task.compute_loss metric {k!r} is a tensor of shape {tuple(v.shape)}, not a scalar")
+                raise TypeError(
+                    f"Task.compute_loss metric {k!r} is a tensor of shape {tuple(v.shape)}, not a scalar"
+                )
             out[str(k)] = v.detach().reshape(()).double()
         elif isinstance(v, (int, float)):
             out[str(k)] = float(v)

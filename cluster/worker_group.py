@@ -114,7 +114,8 @@ class RayWorkerGroup:
             return n
         need = ", ".join(f"{k}={v:g}" for k, v in self.bundle().items())
         raise ResourcesUnavailableError(
-            f"the cluster did not provide {sizes[0]} workers of {{{need}}} (nor the minimum {sizes[-1]}) within "
+            f"the cluster did not provide {sizes[0]} workers of {{{need}}} "
+            f"(nor the minimum {sizes[-1]}) within "
             f"scaling.resource_wait_s={wait_s:g}s with strategy {strategy}; the cluster has "
             f"{_fmt(ray.cluster_resources())}, free {_fmt(ray.available_resources())}. Add nodes, lower "
             "scaling.num_workers / scaling.min_workers, or raise scaling.resource_wait_s"
@@ -185,7 +186,9 @@ class RayWorkerGroup:
         """The bundle (= rank) on the first node with a CPU share this job does not use, if any: there
         the spare's preparation (a torch import, the dataset) does not take CPU from training."""
         share = self.cfg.scaling.cpus_per_worker
-        totals = {n["NodeID"]: float(n.get("Resources", {}).get("CPU", 0)) for n in ray.nodes() if n.get("Alive")}
+        totals = {
+            n["NodeID"]: float(n.get("Resources", {}).get("CPU", 0)) for n in ray.nodes() if n.get("Alive")
+        }
         used: dict[str, float] = {}
         for node_id, _ in self.nodes:
             used[node_id] = used.get(node_id, 0.0) + share
@@ -290,7 +293,11 @@ class RayWorkerGroup:
             return None
         done, _ = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
         errors = self._errors(0.0)
-        idle = [r for r, ref in enumerate(self._pending) if ref in done and not isinstance(errors.get(r), RayActorError)]
+        idle = [
+            r
+            for r, ref in enumerate(self._pending)
+            if ref in done and not isinstance(errors.get(r), RayActorError)
+        ]
         resets = {r: self.actors[r].reset.remote(r, self.world_size, attempt) for r in idle}
         actors = dict(enumerate(self.actors))
         dead = [r for r in range(len(self.actors)) if r not in idle]
@@ -310,7 +317,9 @@ class RayWorkerGroup:
                     ray.get(ref)
                     kept[r] = actors[r]
                 except Exception as exc:
-                    logger.warning("rank %d could not be reset, not kept for the warm restart: %s", r, _short(exc))
+                    logger.warning(
+                        "rank %d could not be reset, not kept for the warm restart: %s", r, _short(exc)
+                    )
         self._kill_spare()
         for r, actor in actors.items():
             if r not in kept:
@@ -340,8 +349,9 @@ class RayWorkerGroup:
         try:
             ray.get(ready[0])
         except Exception as exc:
-            logger.warning("the hot spare failed to prepare; a dead rank gets a new process instead: %s",
-                           _short(exc))
+            logger.warning(
+                "the hot spare failed to prepare; a dead rank gets a new process instead: %s", _short(exc)
+            )
             self._kill_spare()
             return False
         return True
@@ -371,13 +381,26 @@ class RayWorkerGroup:
             try:
                 remove_placement_group(self.pg)
             except Exception as exc:
-                logger.warning("could not remove the placement group (Ray frees it with the job): %s", _short(exc))
+                logger.warning(
+                    "could not remove the placement group (Ray frees it with the job): %s", _short(exc)
+                )
             self.pg = None
 
 
 # The modules a worker runs; the operator tools (inspect, __main__) do not change what trains.
-_TRAINING_MODULES = ("checkpoint.py", "config.py", "data.py", "dist.py", "errors.py", "group.py", "process.py",
-                     "storage.py", "task.py", "worker.py", "worker_group.py")
+_TRAINING_MODULES = (
+    "checkpoint.py",
+    "config.py",
+    "data.py",
+    "dist.py",
+    "errors.py",
+    "group.py",
+    "process.py",
+    "storage.py",
+    "task.py",
+    "worker.py",
+    "worker_group.py",
+)
 
 
 @cache
@@ -400,7 +423,8 @@ def _check_same_code(codes: list[tuple[str, str]], nodes: list[tuple[str, str]])
         if theirs != mine:
             raise ConfigError(
                 f"rank {rank} on {nodes[rank][1]} imports the cluster package from {where} (sources "
-                f"{theirs[:12]}) but the driver runs {here} ({mine[:12]}): the workers would not run the job's "
+                f"{theirs[:12]}) but the driver runs {here} ({mine[:12]}): "
+                "the workers would not run the job's "
                 "code. Submit with `ray job submit --working-dir <repo root>` (Ray puts it first on every "
                 "worker's PYTHONPATH), or install the same version of this package on every node"
             )

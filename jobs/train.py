@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"training failed: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("stopped: workers shut down; the last committed checkpoint is intact", file=sys.stderr, flush=True)
+        print(
+            "stopped: workers shut down; the last committed checkpoint is intact", file=sys.stderr, flush=True
+        )
         return 130
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -32,8 +32,19 @@ class AuditTask(Task):
         assert cur is not None
         path = os.path.join(str(self.args["audit_dir"]), f"rank{cur.rank}-pid{os.getpid()}.jsonl")
         with open(path, "a") as fh:
-            fh.write(json.dumps({"epoch": cur.epoch, "step": cur.global_step, "attempt": cur.attempt,
-                                 "rank": cur.rank, "world": cur.world_size, "ids": ids.tolist()}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "epoch": cur.epoch,
+                        "step": cur.global_step,
+                        "attempt": cur.attempt,
+                        "rank": cur.rank,
+                        "world": cur.world_size,
+                        "ids": ids.tolist(),
+                    }
+                )
+                + "\n"
+            )
         sleep = float(self.args.get("step_sleep_s", 0.0))
         if sleep:
             import time

@@ -131,7 +131,9 @@ class MotoS3:
             except OSError:
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"moto_server on port {self.port} did not answer within {timeout}s") from None
+                    raise RuntimeError(
+                        f"moto_server on port {self.port} did not answer within {timeout}s"
+                    ) from None
                 time.sleep(0.1)
         req = urllib.request.Request(f"{inner}/{self.bucket}", method="PUT")
         urllib.request.urlopen(req, timeout=5).read()

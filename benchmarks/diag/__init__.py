@@ -1,1 +1,2 @@
-"""One-off diagnostics: each answers one question about where the product's time goes (not peer comparisons)."""
+"""One-off diagnostics: each answers one question about where the product's time goes (not peer
+comparisons)."""

@@ -70,26 +70,48 @@ def child(arm: str, epochs: int, overrides: list[str], work: str) -> None:
 
         cfg = load_config(
             os.path.join(REPO, "jobs/configs/tiny_cpu.yaml"),
-            ["name=bg", f"storage={work}", f"training.epochs={epochs}", "training.global_batch_size=64",
-             "training.seed=0", "training.log_every_steps=1", "checkpoint.every_steps=25",
-             "checkpoint.every_epochs=1", "scaling.num_workers=2", "scaling.cpus_per_worker=1", *overrides],
+            [
+                "name=bg",
+                f"storage={work}",
+                f"training.epochs={epochs}",
+                "training.global_batch_size=64",
+                "training.seed=0",
+                "training.log_every_steps=1",
+                "checkpoint.every_steps=25",
+                "checkpoint.every_epochs=1",
+                "scaling.num_workers=2",
+                "scaling.cpus_per_worker=1",
+                *overrides,
+            ],
             data={"task": "jobs.tasks.charlm:CharLMTask", "task_args": TASK_ARGS},
         )
         print(train(cfg).status, flush=True)
     else:
         from benchmarks.bench_ddp import child_bare
 
-        spec = {"task": "jobs.tasks.charlm:CharLMTask", "task_args": dict(TASK_ARGS), "seed": 0,
-                "global_batch": 64, "epochs": epochs, "ckpt_every_steps": 25,
-                "steps_per_epoch": _steps_per_epoch(TASK_ARGS, 64), "storage": os.path.join(work, "runs"),
-                "ckpt_dir": os.path.join(work, "ckpt"), "steplog": os.path.join(work, "steps.log"),
-                "kill_step": 0, "kill_file": ""}
+        spec = {
+            "task": "jobs.tasks.charlm:CharLMTask",
+            "task_args": dict(TASK_ARGS),
+            "seed": 0,
+            "global_batch": 64,
+            "epochs": epochs,
+            "ckpt_every_steps": 25,
+            "steps_per_epoch": _steps_per_epoch(TASK_ARGS, 64),
+            "storage": os.path.join(work, "runs"),
+            "ckpt_dir": os.path.join(work, "ckpt"),
+            "steplog": os.path.join(work, "steps.log"),
+            "kill_step": 0,
+            "kill_file": "",
+        }
         print(child_bare(spec)["status"], flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.diag.background", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.diag.background",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--arm", choices=("product", "bare"), default="product")
     p.add_argument("--delay", type=float, default=25.0, help="seconds after the start before the window")
     p.add_argument("--window", type=float, default=40.0, help="seconds of sampling")
@@ -103,12 +125,29 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     work = tempfile.mkdtemp(prefix="bgdiag", dir="/tmp")  # short: Ray's socket paths live under it
     ray_tmp = os.path.join(work, "r")
-    cmd = [sys.executable, "-m", "benchmarks.diag.background", "--child", "--arm", args.arm, "--work", work,
-           "--epochs", str(args.epochs), *(f"--set={s}" for s in args.set)]
-    env = dict(os.environ, RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0",
-               PYTHONPATH=os.pathsep.join(q for q in [REPO, os.environ.get("PYTHONPATH", "")] if q))
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.diag.background",
+        "--child",
+        "--arm",
+        args.arm,
+        "--work",
+        work,
+        "--epochs",
+        str(args.epochs),
+        *(f"--set={s}" for s in args.set),
+    ]
+    env = dict(
+        os.environ,
+        RAY_TMPDIR=ray_tmp,
+        RAY_USAGE_STATS_ENABLED="0",
+        PYTHONPATH=os.pathsep.join(q for q in [REPO, os.environ.get("PYTHONPATH", "")] if q),
+    )
     env.pop("RAY_ADDRESS", None)  # an embedded Ray of its own
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     try:
         time.sleep(args.delay)
         if proc.poll() is not None:
@@ -146,19 +185,28 @@ def main(argv: list[str] | None = None) -> int:
         workers = {pid for e in events if e["event"] == "group_started" for pid in e.get("pids", [])}
     else:  # the two spawned ranks are the two busiest processes
         workers = {pid for (pid, _), _ in per_proc.most_common(2)}
-    print(f"arm {args.arm}, window {seconds:.1f} s ({round(seconds) * 100} ticks per core), run {out or '?'}"
-          + ("" if covered else " (the run ended inside the window)"))
+    print(
+        f"arm {args.arm}, window {seconds:.1f} s ({round(seconds) * 100} ticks per core), run {out or '?'}"
+        + ("" if covered else " (the run ended inside the window)")
+    )
     print(f"{'ticks':>6} {'pid':>7}  process")
     for (pid, name), ticks in per_proc.most_common():
         tag = "  [worker]" if pid in workers else ""
-        threads = ", ".join(f"{c} {n}" for c, n in per_thread[pid].most_common(3 if pid not in workers else 8))
+        threads = ", ".join(
+            f"{c} {n}" for c, n in per_thread[pid].most_common(3 if pid not in workers else 8)
+        )
         print(f"{ticks:6d} {pid:7d}  {name}{tag}" + (f"   ({threads})" if threads and ticks >= 5 else ""))
     own = sum(t for (pid, _), t in per_proc.items() if pid not in workers)
-    print(f"not the workers: {own} ticks in {seconds:.0f} s ({own / seconds:.2f} ticks/s); workers: "
-          f"{sum(t for (pid, _), t in per_proc.items() if pid in workers)}")
+    print(
+        f"not the workers: {own} ticks in {seconds:.0f} s ({own / seconds:.2f} ticks/s); workers: "
+        f"{sum(t for (pid, _), t in per_proc.items() if pid in workers)}"
+    )
     waits = [waited[pid] / 1e6 / seconds for pid in sorted(workers)]
-    print("workers' training threads runnable but not running (waiting for a core): "
-          + ", ".join(f"{w:.1f}" for w in waits) + " ms/s")
+    print(
+        "workers' training threads runnable but not running (waiting for a core): "
+        + ", ".join(f"{w:.1f}" for w in waits)
+        + " ms/s"
+    )
     return 0 if covered else 1
 
 

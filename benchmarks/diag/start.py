@@ -72,24 +72,41 @@ def child(mode: str) -> None:
     else:
         local_ray.shutdown()
     shutdown_s = time.perf_counter() - t1
-    print(json.dumps({"mode": mode, "init_s": init_s, "ready_s": ready_s, "shutdown_s": shutdown_s}), flush=True)
+    print(
+        json.dumps({"mode": mode, "init_s": init_s, "ready_s": ready_s, "shutdown_s": shutdown_s}), flush=True
+    )
 
 
 def run_start(mode: str) -> dict[str, float | str] | None:
     """One start and stop in a fresh process with its own Ray temp dir; None when it gave no result."""
     tmp = tempfile.mkdtemp(prefix="dstart", dir="/tmp")  # short: Ray's socket paths live under it
-    env = dict(os.environ, RAY_TMPDIR=tmp, RAY_USAGE_STATS_ENABLED="0",
-               PYTHONPATH=os.pathsep.join(q for q in [REPO, os.environ.get("PYTHONPATH", "")] if q))
+    env = dict(
+        os.environ,
+        RAY_TMPDIR=tmp,
+        RAY_USAGE_STATS_ENABLED="0",
+        PYTHONPATH=os.pathsep.join(q for q in [REPO, os.environ.get("PYTHONPATH", "")] if q),
+    )
     env.pop("RAY_ADDRESS", None)
     if "@" in mode:
-        source = subprocess.run(["git", "show", f"{mode.split('@', 1)[1]}:cluster/local_ray.py"], cwd=REPO,
-                                capture_output=True, text=True, check=True).stdout
+        source = subprocess.run(
+            ["git", "show", f"{mode.split('@', 1)[1]}:cluster/local_ray.py"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         env["DIAG_LOCAL_RAY_FILE"] = os.path.join(tmp, "local_ray_at_rev.py")
         with open(env["DIAG_LOCAL_RAY_FILE"], "w") as fh:
             fh.write(source)
     try:
-        out = subprocess.run([sys.executable, "-m", "benchmarks.diag.start", "--child", mode], cwd=REPO, env=env,
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "benchmarks.diag.start", "--child", mode],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         for pid in _sweep(tmp):  # anything that start left running (named by its temp dir)
             with contextlib.suppress(OSError):
@@ -104,8 +121,11 @@ def run_start(mode: str) -> dict[str, float | str] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.diag.start", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.diag.start",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--starts", type=int, default=6, help="starts per mode")
     p.add_argument("--load", action="store_true", help="keep one core busy meanwhile")
     p.add_argument("--modes", default=",".join(MODES), help="comma list of " + ", ".join(MODES))
@@ -126,8 +146,11 @@ def main(argv: list[str] | None = None) -> int:
             if row is None:
                 continue
             rows.append(row)
-            print(f"{row['mode']:16s} start {row['init_s']:.2f} s, ready {row['ready_s']:.2f} s, "
-                  f"shutdown {row['shutdown_s']:.2f} s", flush=True)
+            print(
+                f"{row['mode']:16s} start {row['init_s']:.2f} s, ready {row['ready_s']:.2f} s, "
+                f"shutdown {row['shutdown_s']:.2f} s",
+                flush=True,
+            )
     finally:
         if hog is not None:
             hog.kill()
@@ -137,9 +160,11 @@ def main(argv: list[str] | None = None) -> int:
         if not mine:
             continue
         init, ready, down = ([float(r[k]) for r in mine] for k in ("init_s", "ready_s", "shutdown_s"))
-        print(f"{mode:16s} n={len(mine)}: start median {statistics.median(init):.2f} s, ready median "
-              f"{statistics.median(ready):.2f} s (range {min(ready):.2f}-{max(ready):.2f}), shutdown median "
-              f"{statistics.median(down):.2f} s")
+        print(
+            f"{mode:16s} n={len(mine)}: start median {statistics.median(init):.2f} s, ready median "
+            f"{statistics.median(ready):.2f} s (range {min(ready):.2f}-{max(ready):.2f}), shutdown median "
+            f"{statistics.median(down):.2f} s"
+        )
     return 0
 
 

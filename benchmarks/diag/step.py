@@ -36,10 +36,18 @@ def _worker_entry(rank: int, world: int, work: str, epochs: int, threaded: bool)
     from cluster.process import worker_env
     from cluster.worker import Worker
 
-    cfg = load_config(os.path.join(REPO, "jobs/configs/tiny_cpu.yaml"),
-                      ["name=diag", f"storage={work}/runs", f"training.epochs={epochs}", "training.log_every_steps=1",
-                       "checkpoint.every_steps=25", "checkpoint.every_epochs=1"],
-                      data={"task": "jobs.tasks.charlm:CharLMTask", "task_args": TASK_ARGS})
+    cfg = load_config(
+        os.path.join(REPO, "jobs/configs/tiny_cpu.yaml"),
+        [
+            "name=diag",
+            f"storage={work}/runs",
+            f"training.epochs={epochs}",
+            "training.log_every_steps=1",
+            "checkpoint.every_steps=25",
+            "checkpoint.every_epochs=1",
+        ],
+        data={"task": "jobs.tasks.charlm:CharLMTask", "task_args": TASK_ARGS},
+    )
     os.environ["OMP_NUM_THREADS"] = "1"
     with worker_env(cfg):
         w = Worker(cfg, rank, world, os.path.join(work, "runs", "diag"), 0)
@@ -91,20 +99,32 @@ def run_one(mode: str, epochs: int) -> float:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            spec: dict[str, Any] = {"task": "jobs.tasks.charlm:CharLMTask", "task_args": TASK_ARGS, "seed": 0, "global_batch": 64,
-                    "epochs": epochs, "ckpt_every_steps": 25, "ckpt_dir": work, "steplog": f"{work}/steps.log"}
+            spec: dict[str, Any] = {
+                "task": "jobs.tasks.charlm:CharLMTask",
+                "task_args": TASK_ARGS,
+                "seed": 0,
+                "global_batch": 64,
+                "epochs": epochs,
+                "ckpt_every_steps": 25,
+                "ckpt_dir": work,
+                "steplog": f"{work}/steps.log",
+            }
             mp.start_processes(bare_worker, args=(2, port, spec), nprocs=2, start_method="spawn")
             _, steps = _read_steplog(spec["steplog"])
             return _median_interval([(s, t) for _, t, s in steps], spe)
-        mp.start_processes(_worker_entry, args=(2, work, epochs, mode == "worker-thread"), nprocs=2,
-                           start_method="spawn")
+        mp.start_processes(
+            _worker_entry, args=(2, work, epochs, mode == "worker-thread"), nprocs=2, start_method="spawn"
+        )
         with open(os.path.join(work, "rows.json")) as fh:
             return _median_interval([tuple(p) for p in json.load(fh)], spe)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.diag.step", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.diag.step",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args(argv)

@@ -86,15 +86,30 @@ class Hosts:
             time.sleep(0.5)
 
 
-def start_node(hosts: Hosts, i: int, temp_dir: str, env: dict[str, str], head: str | None, *extra: str) -> None:
+def start_node(
+    hosts: Hosts, i: int, temp_dir: str, env: dict[str, str], head: str | None, *extra: str
+) -> None:
     """``ray start`` inside namespace ``i``: the head when ``head`` is None, else a node joining it."""
-    where = ["--head", "--port=6379", "--dashboard-host=0.0.0.0", "--dashboard-port=8265"] if head is None \
+    where = (
+        ["--head", "--port=6379", "--dashboard-host=0.0.0.0", "--dashboard-port=8265"]
+        if head is None
         else [f"--address={head}:6379"]
-    args = [*hosts.exec(i), RAY, "start", *where, f"--node-ip-address={hosts.addr(i)}",
-            f"--temp-dir={temp_dir}", "--disable-usage-stats", *extra]
+    )
+    args = [
+        *hosts.exec(i),
+        RAY,
+        "start",
+        *where,
+        f"--node-ip-address={hosts.addr(i)}",
+        f"--temp-dir={temp_dir}",
+        "--disable-usage-stats",
+        *extra,
+    ]
     proc = run(args, dict(env, GLOO_SOCKET_IFNAME=IFNAME), timeout=120)
     if proc.returncode != 0:
-        raise RuntimeError(f"ray start in {hosts.names[i]} failed ({proc.returncode}):\n{proc.stdout[-4000:]}")
+        raise RuntimeError(
+            f"ray start in {hosts.names[i]} failed ({proc.returncode}):\n{proc.stdout[-4000:]}"
+        )
 
 
 def kill_all(hosts: Hosts, markers: list[str]) -> list[int]:

@@ -98,11 +98,19 @@ def kill_owned(markers: Iterable[str], roots: Iterable[int] = (), timeout: float
     return kill_until_gone(lambda: first.pop() if first else owned_pids(markers, ()), timeout)
 
 
-def run(args: list[str], env: dict[str, str], timeout: float, cwd: str | None = None) -> subprocess.CompletedProcess[str]:
+def run(
+    args: list[str], env: dict[str, str], timeout: float, cwd: str | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run a command to completion, stdout and stderr together in ``.stdout``."""
     return subprocess.run(
-        args, env=env, cwd=cwd or REPO, timeout=timeout, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False,
+        args,
+        env=env,
+        cwd=cwd or REPO,
+        timeout=timeout,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        check=False,
     )
 
 
@@ -122,10 +130,17 @@ class Head:
 
     def start(self, timeout: float = 90) -> None:
         args = [
-            RAY, "start", "--head", f"--num-cpus={self.num_cpus}", f"--port={self.port}",
-            "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={free_port()}",
-            f"--dashboard-agent-listen-port={free_port()}", f"--temp-dir={self.temp_dir}",
+            RAY,
+            "start",
+            "--head",
+            f"--num-cpus={self.num_cpus}",
+            f"--port={self.port}",
+            "--node-ip-address=127.0.0.1",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={self.dashboard_port}",
+            f"--ray-client-server-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--temp-dir={self.temp_dir}",
             "--disable-usage-stats",
         ]
         proc = run(args, self.env, timeout)
@@ -133,7 +148,9 @@ class Head:
             self.stop()
             raise RuntimeError(f"ray start --head failed ({proc.returncode}):\n{proc.stdout[-4000:]}")
 
-    def job(self, *args: str, timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    def job(
+        self, *args: str, timeout: float = 240, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
         """``ray job ARGS --address <this head>``."""
         sub, rest = args[0], list(args[1:])
         return run([RAY, "job", sub, "--address", self.address, *rest], env or self.env, timeout)

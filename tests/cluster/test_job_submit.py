@@ -55,19 +55,45 @@ def storage_dir() -> Iterator[str]:
 def small(storage: str, name: str, *extra: str) -> list[str]:
     """The tiny char-LM job at test size (the tiny_overrides of tests/conftest.py), as `--set` arguments."""
     overrides = [
-        f"storage={storage}", f"name={name}",
-        "task_args.max_chars=40000", "task_args.d_model=32", "task_args.n_layers=1", "task_args.context=32",
-        "training.global_batch_size=32", "training.log_every_steps=1", "failures.hang_timeout_floor_s=60",
-        "training.epochs=1", "checkpoint.every_steps=10", *extra,
+        f"storage={storage}",
+        f"name={name}",
+        "task_args.max_chars=40000",
+        "task_args.d_model=32",
+        "task_args.n_layers=1",
+        "task_args.context=32",
+        "training.global_batch_size=32",
+        "training.log_every_steps=1",
+        "failures.hang_timeout_floor_s=60",
+        "training.epochs=1",
+        "checkpoint.every_steps=10",
+        *extra,
     ]
     return [a for o in overrides for a in ("--set", o)]
 
 
-def submit(h: Head, *job_args: str, options: tuple[str, ...] = (), timeout: float = 240, env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+def submit(
+    h: Head,
+    *job_args: str,
+    options: tuple[str, ...] = (),
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
+):  # type: ignore[no-untyped-def]
     return h.job(
-        "submit", "--working-dir", REPO, "--runtime-env-json", RUNTIME_ENV, *options, "--",
-        "python", "-m", "jobs.train", "--config", "jobs/configs/tiny_cpu.yaml", *job_args,
-        timeout=timeout, env=env,
+        "submit",
+        "--working-dir",
+        REPO,
+        "--runtime-env-json",
+        RUNTIME_ENV,
+        *options,
+        "--",
+        "python",
+        "-m",
+        "jobs.train",
+        "--config",
+        "jobs/configs/tiny_cpu.yaml",
+        *job_args,
+        timeout=timeout,
+        env=env,
     )
 
 
@@ -109,14 +135,20 @@ def test_resubmit_resumes(head: Head, storage_dir: str) -> None:
 @pytest.mark.timeout(240)
 def test_job_stop_shuts_workers_down(head: Head, storage_dir: str) -> None:
     job_id = f"stop-{secrets.token_hex(3)}"
-    proc = submit(head, *small(storage_dir, "stopped", "training.epochs=50"),
-                  options=("--no-wait", "--submission-id", job_id), timeout=120)
+    proc = submit(
+        head,
+        *small(storage_dir, "stopped", "training.epochs=50"),
+        options=("--no-wait", "--submission-id", job_id),
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:]
     store = CheckpointStore(Storage(os.path.join(storage_dir, "stopped")))
     deadline = time.monotonic() + 150
     while not store.list():
         assert time.monotonic() < deadline, head.job("logs", job_id, timeout=60).stdout[-6000:]
-        assert status(head, job_id) in ("PENDING", "RUNNING"), head.job("logs", job_id, timeout=60).stdout[-6000:]
+        assert status(head, job_id) in ("PENDING", "RUNNING"), head.job("logs", job_id, timeout=60).stdout[
+            -6000:
+        ]
         time.sleep(0.5)
     stop = head.job("stop", job_id, timeout=90)
     assert stop.returncode == 0, stop.stdout[-4000:]
@@ -124,7 +156,9 @@ def test_job_stop_shuts_workers_down(head: Head, storage_dir: str) -> None:
     # The worker actors (processes titled ray::_WorkerActor...) are gone, not left training.
     deadline = time.monotonic() + 20
     while workers_alive(head):
-        assert time.monotonic() < deadline, f"worker actors still alive after `ray job stop`: {workers_alive(head)}"
+        assert time.monotonic() < deadline, (
+            f"worker actors still alive after `ray job stop`: {workers_alive(head)}"
+        )
         time.sleep(0.5)
     logs = head.job("logs", job_id, timeout=60).stdout
     assert "stopped: workers shut down" in logs, logs[-6000:]
@@ -164,19 +198,32 @@ def test_workers_run_the_shipped_code_or_refuse(head: Head, storage_dir: str, tm
     only the driver (PYTHONPATH, no --working-dir) is refused before training, with the fix named."""
     copy = os.path.join(str(tmp_path), "repo")
     for pkg in ("cluster", "jobs"):
-        shutil.copytree(os.path.join(REPO, pkg), os.path.join(copy, pkg), ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(
+            os.path.join(REPO, pkg), os.path.join(copy, pkg), ignore=shutil.ignore_patterns("__pycache__")
+        )
     with open(os.path.join(copy, "cluster", "worker.py"), "a") as fh:
         fh.write("\n# a local change that the installed package does not have\n")
 
     shipped = head.job(
-        "submit", "--working-dir", copy, "--", "python", "-m", "jobs.train", "--config",
-        "jobs/configs/tiny_cpu.yaml", *small(storage_dir, "shipped"), timeout=200,
+        "submit",
+        "--working-dir",
+        copy,
+        "--",
+        "python",
+        "-m",
+        "jobs.train",
+        "--config",
+        "jobs/configs/tiny_cpu.yaml",
+        *small(storage_dir, "shipped"),
+        timeout=200,
     )
     assert shipped.returncode == 0, shipped.stdout[-6000:]
     assert CheckpointStore(Storage(os.path.join(storage_dir, "shipped"))).load_latest() is not None
 
-    script = (f"cd {tmp_path} && PYTHONPATH={copy} python -m jobs.train --config {copy}/jobs/configs/tiny_cpu.yaml "
-              + " ".join(small(storage_dir, "mixed")))
+    script = (
+        f"cd {tmp_path} && PYTHONPATH={copy} python -m jobs.train --config {copy}/jobs/configs/tiny_cpu.yaml "
+        + " ".join(small(storage_dir, "mixed"))
+    )
     mixed = head.job("submit", "--", "bash", "-c", script, timeout=200)
     assert mixed.returncode != 0, mixed.stdout[-6000:]
     assert f"imports the cluster package from {REPO}/cluster" in mixed.stdout, mixed.stdout[-6000:]

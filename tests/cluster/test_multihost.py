@@ -25,8 +25,9 @@ from tests.cluster.rayproc import EXCLUDES, RAY, REPO, ray_env
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 # Fast failure detection: a node whose raylet stops answering is declared dead after ~3 s, not ~30 s.
-HEALTH = json.dumps({"health_check_period_ms": 1000, "health_check_timeout_ms": 1000,
-                     "health_check_failure_threshold": 3})
+HEALTH = json.dumps(
+    {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3}
+)
 
 
 def cmdline(pid: int) -> str:
@@ -62,23 +63,50 @@ def test_job_across_hosts_survives_a_lost_node() -> None:
             pytest.skip(str(exc))
         start_node(hosts, 0, f"{base}/n0", env, None, "--num-cpus=1", f"--system-config={HEALTH}")
         for i in (1, 2, 3):
-            start_node(hosts, i, f"{base}/n{i}", env, hosts.addr(0), "--num-cpus=1", '--resources={"trainer": 1}')
+            start_node(
+                hosts, i, f"{base}/n{i}", env, hosts.addr(0), "--num-cpus=1", '--resources={"trainer": 1}'
+            )
 
         overrides = [
-            f"storage={storage}", "name=multihost", "task_args.max_chars=40000", "task_args.d_model=32",
-            "task_args.n_layers=1", "task_args.context=32", "training.global_batch_size=32",
-            "training.log_every_steps=1", "failures.hang_timeout_floor_s=60", "training.epochs=8",
-            "checkpoint.every_steps=5", f"scaling.socket_ifname={IFNAME}",
-            "scaling.resources_per_worker={trainer: 1}", "scaling.placement_strategy=SPREAD",
+            f"storage={storage}",
+            "name=multihost",
+            "task_args.max_chars=40000",
+            "task_args.d_model=32",
+            "task_args.n_layers=1",
+            "task_args.context=32",
+            "training.global_batch_size=32",
+            "training.log_every_steps=1",
+            "failures.hang_timeout_floor_s=60",
+            "training.epochs=8",
+            "checkpoint.every_steps=5",
+            f"scaling.socket_ifname={IFNAME}",
+            "scaling.resources_per_worker={trainer: 1}",
+            "scaling.placement_strategy=SPREAD",
             "scaling.resource_wait_s=60",
         ]
-        args = [*hosts.exec(0), RAY, "job", "submit", "--address", f"http://{hosts.addr(0)}:8265",
-                "--working-dir", REPO, "--runtime-env-json", json.dumps({"excludes": EXCLUDES}), "--",
-                "python", "-m", "jobs.train", "--config", "jobs/configs/tiny_cpu.yaml",
-                *[a for o in overrides for a in ("--set", o)]]
+        args = [
+            *hosts.exec(0),
+            RAY,
+            "job",
+            "submit",
+            "--address",
+            f"http://{hosts.addr(0)}:8265",
+            "--working-dir",
+            REPO,
+            "--runtime-env-json",
+            json.dumps({"excludes": EXCLUDES}),
+            "--",
+            "python",
+            "-m",
+            "jobs.train",
+            "--config",
+            "jobs/configs/tiny_cpu.yaml",
+            *[a for o in overrides for a in ("--set", o)],
+        ]
         with open(log_path, "wb") as log:
-            submit = subprocess.Popen(args, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
+            submit = subprocess.Popen(
+                args, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
         store = CheckpointStore(Storage(os.path.join(storage, "multihost")))
         deadline = time.monotonic() + 180
@@ -104,13 +132,17 @@ def test_job_across_hosts_survives_a_lost_node() -> None:
         with open(os.path.join(storage, "multihost", "events.jsonl")) as fh:
             events = [json.loads(line) for line in fh if line.strip()]
         kinds = [e["event"] for e in events]
-        print(f"killed the raylet of {hosts.names[victim]}; events:", *[json.dumps(e)[:300] for e in events], sep="\n")
+        print(
+            f"killed the raylet of {hosts.names[victim]}; events:",
+            *[json.dumps(e)[:300] for e in events],
+            sep="\n",
+        )
         failures = [i for i, e in enumerate(events) if e["event"] == "failure"]
         assert failures, out
         first = events[failures[0]]
         assert first["kind"] in ("node_lost", "worker_died") and first["time"] >= t_kill, first
-        assert "recovered" in kinds[failures[0]:], kinds
-        restarts = [e for e in events[failures[0]:] if e["event"] == "group_started"]
+        assert "recovered" in kinds[failures[0] :], kinds
+        restarts = [e for e in events[failures[0] :] if e["event"] == "group_started"]
         assert restarts and restarts[-1]["world_size"] == 2 and restarts[-1]["resume_step"] > 0, restarts
         assert kinds[-1] == "finished", kinds
         latest = store.load_latest()

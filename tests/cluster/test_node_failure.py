@@ -59,11 +59,19 @@ def add_trainer_node(cluster: Any) -> Any:
 
 def job(tmp: str, name: str, *extra: str) -> list[str]:
     return [
-        f"storage={tmp}/runs", f"name={name}", "task=tests.audit_task:AuditTask",
+        f"storage={tmp}/runs",
+        f"name={name}",
+        "task=tests.audit_task:AuditTask",
         f"task_args={{audit_dir: {tmp}/audit, samples: {SAMPLES}, step_sleep_s: 0.06}}",
-        "scaling.num_workers=2", "scaling.resources_per_worker={trainer: 1}", "scaling.resource_wait_s=4",
-        f"training.global_batch_size={B}", f"training.epochs={EPOCHS}", "checkpoint.every_steps=4",
-        "failures.backoff_s=0.1", "failures.hang_timeout_floor_s=60", *extra,
+        "scaling.num_workers=2",
+        "scaling.resources_per_worker={trainer: 1}",
+        "scaling.resource_wait_s=4",
+        f"training.global_batch_size={B}",
+        f"training.epochs={EPOCHS}",
+        "checkpoint.every_steps=4",
+        "failures.backoff_s=0.1",
+        "failures.hang_timeout_floor_s=60",
+        *extra,
     ]
 
 

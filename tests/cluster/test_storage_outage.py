@@ -18,9 +18,17 @@ pytestmark = [pytest.mark.cluster]
 
 
 @pytest.mark.timeout(300)
-def test_job_finishes_through_a_storage_outage(ray_local: None, tiny_overrides: list[str], moto_s3: MotoS3) -> None:
-    over = [*tiny_overrides, f"storage={moto_s3.url('runs')}", "name=outage", "epochs=2",
-            "checkpoint.every_steps=4", "checkpoint.keep_last=50"]
+def test_job_finishes_through_a_storage_outage(
+    ray_local: None, tiny_overrides: list[str], moto_s3: MotoS3
+) -> None:
+    over = [
+        *tiny_overrides,
+        f"storage={moto_s3.url('runs')}",
+        "name=outage",
+        "epochs=2",
+        "checkpoint.every_steps=4",
+        "checkpoint.keep_last=50",
+    ]
     cfg = load_config("jobs/configs/tiny_cpu.yaml", over)
     cfg.storage.options = moto_s3.options
     st = Storage("s3://bucket/runs/outage", moto_s3.options)

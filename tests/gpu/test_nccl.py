@@ -17,8 +17,16 @@ pytestmark = [
 def test_nccl_worker_without_ray(tmp_path: object) -> None:
     from tests.multiprocess.mp_helpers import run_workers, tiny_config
 
-    cfg = tiny_config(f"{tmp_path}/s", ["scaling.use_gpu=true", "workers=1", "training.max_steps_per_epoch=5",
-                                        "training.amp=bf16", "training.grad_clip=1.0"])
+    cfg = tiny_config(
+        f"{tmp_path}/s",
+        [
+            "scaling.use_gpu=true",
+            "workers=1",
+            "training.max_steps_per_epoch=5",
+            "training.amp=bf16",
+            "training.grad_clip=1.0",
+        ],
+    )
     out = tmp_path / "o"  # type: ignore[operator]
     out.mkdir()
     (res,) = run_workers(1, cfg, f"{tmp_path}/s/run", [(0, 0)], str(out))
@@ -32,7 +40,14 @@ def test_nccl_job_on_ray(tmp_path: object, tiny_overrides: list[str]) -> None:
 
     cfg = load_config(
         "jobs/configs/tiny_cpu.yaml",
-        [*tiny_overrides, "name=gpu", "scaling.use_gpu=true", "workers=1", "training.amp=bf16", "training.epochs=2"],
+        [
+            *tiny_overrides,
+            "name=gpu",
+            "scaling.use_gpu=true",
+            "workers=1",
+            "training.amp=bf16",
+            "training.epochs=2",
+        ],
     )
     out = io.StringIO()
     result = train(cfg, out=out)
@@ -40,5 +55,7 @@ def test_nccl_job_on_ray(tmp_path: object, tiny_overrides: list[str]) -> None:
     assert "(nccl)" in out.getvalue()
     import json
 
-    started = [json.loads(line) for line in open(f"{result.run_url}/events.jsonl") if '"group_started"' in line]
+    started = [
+        json.loads(line) for line in open(f"{result.run_url}/events.jsonl") if '"group_started"' in line
+    ]
     assert started[0]["backend"] == "nccl"

@@ -29,8 +29,17 @@ def tiny_config(storage: str, overrides: list[str] | None = None) -> JobConfig:
     return load_config("jobs/configs/tiny_cpu.yaml", base + (overrides or []))
 
 
-def _entry(rank: int, world: int, cfg: JobConfig, run_url: str, plan: list[tuple[int, int]], out: str,
-           port_q: Any, attempt: int, grads: bool) -> None:
+def _entry(
+    rank: int,
+    world: int,
+    cfg: JobConfig,
+    run_url: str,
+    plan: list[tuple[int, int]],
+    out: str,
+    port_q: Any,
+    attempt: int,
+    grads: bool,
+) -> None:
     try:
         os.environ["OMP_NUM_THREADS"] = "1"
         worker = Worker(cfg, rank, world, run_url, attempt)
@@ -81,13 +90,23 @@ def one_backward(worker: Worker) -> dict[str, torch.Tensor]:
     return grads
 
 
-def run_workers(world: int, cfg: JobConfig, run_url: str, plan: list[tuple[int, int]], out: str,
-                attempt: int = 0, grads: bool = False, timeout: float = 120) -> list[dict[str, Any]]:
+def run_workers(
+    world: int,
+    cfg: JobConfig,
+    run_url: str,
+    plan: list[tuple[int, int]],
+    out: str,
+    attempt: int = 0,
+    grads: bool = False,
+    timeout: float = 120,
+) -> list[dict[str, Any]]:
     """Start ``world`` processes, run ``plan`` (list of (epoch, start_step)), return each rank's result."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(r, world, cfg, run_url, plan, out, q, attempt, grads))
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, world, cfg, run_url, plan, out, q, attempt, grads))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     try:

@@ -13,12 +13,19 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 def test_two_workers_equal_one_process_on_the_same_global_batch(tmp_path: object) -> None:
     # SGD, not Adam: Adam's update is invariant to the gradient's scale and would hide a scaling bug.
     overrides = [
-        "training.max_steps_per_epoch=6", "training.epochs=2", "checkpoint.every_epochs=0",
-        "task_args.optimizer=sgd", "task_args.lr=0.1",
+        "training.max_steps_per_epoch=6",
+        "training.epochs=2",
+        "checkpoint.every_epochs=0",
+        "task_args.optimizer=sgd",
+        "task_args.lr=0.1",
     ]
     plan = [(0, 0), (1, 0)]
-    one = run_workers(1, tiny_config(f"{tmp_path}/a", overrides), f"{tmp_path}/a/one", plan, str(_mk(tmp_path, "o1")))
-    two = run_workers(2, tiny_config(f"{tmp_path}/b", overrides), f"{tmp_path}/b/two", plan, str(_mk(tmp_path, "o2")))
+    one = run_workers(
+        1, tiny_config(f"{tmp_path}/a", overrides), f"{tmp_path}/a/one", plan, str(_mk(tmp_path, "o1"))
+    )
+    two = run_workers(
+        2, tiny_config(f"{tmp_path}/b", overrides), f"{tmp_path}/b/two", plan, str(_mk(tmp_path, "o2"))
+    )
     # both ranks of the pair hold the same parameters ...
     for name, value in two[0]["params"].items():
         torch.testing.assert_close(two[1]["params"][name], value, rtol=0, atol=0)
@@ -43,10 +50,20 @@ def test_gradients_identical_across_ranks(tmp_path: object) -> None:
 
 
 def test_grad_accumulation_matches_single_big_batch(tmp_path: object) -> None:
-    base = ["training.max_steps_per_epoch=4", "checkpoint.every_epochs=0", "task_args.optimizer=sgd", "task_args.lr=0.1"]
-    plain = run_workers(2, tiny_config(f"{tmp_path}/p", base), f"{tmp_path}/p/r", [(0, 0)], str(_mk(tmp_path, "p1")))
+    base = [
+        "training.max_steps_per_epoch=4",
+        "checkpoint.every_epochs=0",
+        "task_args.optimizer=sgd",
+        "task_args.lr=0.1",
+    ]
+    plain = run_workers(
+        2, tiny_config(f"{tmp_path}/p", base), f"{tmp_path}/p/r", [(0, 0)], str(_mk(tmp_path, "p1"))
+    )
     accum = run_workers(
-        2, tiny_config(f"{tmp_path}/q", [*base, "training.grad_accum_steps=2"]), f"{tmp_path}/q/r", [(0, 0)],
+        2,
+        tiny_config(f"{tmp_path}/q", [*base, "training.grad_accum_steps=2"]),
+        f"{tmp_path}/q/r",
+        [(0, 0)],
         str(_mk(tmp_path, "q1")),
     )
     for name, value in plain[0]["params"].items():

@@ -41,7 +41,9 @@ def test_checkpoints_and_probe_on_s3(moto_s3: MotoS3) -> None:
     writer = CheckpointWriter(store, keep_last=2)
     w = torch.randn(256, 256)
     for step in (10, 20, 30):
-        writer.save(step, 0, {"world_size": 1}, {"model.pt": {"w": w * step}, "train_state.pt": {"step": step}})
+        writer.save(
+            step, 0, {"world_size": 1}, {"model.pt": {"w": w * step}, "train_state.pt": {"step": step}}
+        )
     writer.close()
     assert [r.error for r in writer.drain()] == [None, None, None]
     assert [i.step for i in store.list()] == [20, 30]
@@ -106,7 +108,11 @@ def test_checkpoint_whose_upload_failed_is_reported_and_never_used(moto_s3: Moto
     records = writer.drain()
     assert [r.step for r in records] == [1, 2]
     assert records[0].error is None
-    assert records[1].error is not None and "StorageError" in records[1].error and "testing" not in records[1].error
+    assert (
+        records[1].error is not None
+        and "StorageError" in records[1].error
+        and "testing" not in records[1].error
+    )
     moto_s3.start()  # empty again; put step 1 back as if it had survived
     writer.save(1, 0, {}, {"model.pt": {"w": torch.ones(10)}, "train_state.pt": {"step": 1}})
     writer.close()

@@ -25,7 +25,11 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 def cli(*args: str, pre: str = "") -> subprocess.CompletedProcess[str]:
     """``python -m cluster ARGS``; ``pre`` is Python run first in the same process (to hide a module)."""
     if pre:
-        cmd = [sys.executable, "-c", f"{pre}; import sys; from cluster.__main__ import main; sys.exit(main())"]
+        cmd = [
+            sys.executable,
+            "-c",
+            f"{pre}; import sys; from cluster.__main__ import main; sys.exit(main())",
+        ]
     else:
         cmd = [sys.executable, "-m", "cluster"]
     env = {**os.environ, "PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}
@@ -48,10 +52,16 @@ def assert_one_line_error(out: subprocess.CompletedProcess[str], code: int, *fra
         assert fragment in lines[0], lines[0]
 
 
-def test_list_show_plot_on_a_real_run(ray_local: None, tiny_overrides: list[str], tmp_path: pathlib.Path) -> None:
+def test_list_show_plot_on_a_real_run(
+    ray_local: None, tiny_overrides: list[str], tmp_path: pathlib.Path
+) -> None:
     overrides = [
-        *tiny_overrides, "name=cli-run", "training.epochs=2", "checkpoint.every_steps=5",
-        "failures.backoff_s=0.2", "failures.inject=[{rank: 1, step: 3, kind: raise}]",
+        *tiny_overrides,
+        "name=cli-run",
+        "training.epochs=2",
+        "checkpoint.every_steps=5",
+        "failures.backoff_s=0.2",
+        "failures.inject=[{rank: 1, step: 3, kind: raise}]",
     ]
     cfg = load_config("jobs/configs/tiny_cpu.yaml", overrides)
     result = train(cfg, out=io.StringIO())
@@ -66,10 +76,25 @@ def test_list_show_plot_on_a_real_run(ray_local: None, tiny_overrides: list[str]
     out = cli("list", storage)
     assert out.returncode == 0, out.stderr
     header, line = out.stdout.strip().splitlines()
-    assert header.split() == ["NAME", "STATUS", "EPOCHS", "STEP", "CHECKPOINT", "LOSS", "ATTEMPTS", "FAILURES"]
+    assert header.split() == [
+        "NAME",
+        "STATUS",
+        "EPOCHS",
+        "STEP",
+        "CHECKPOINT",
+        "LOSS",
+        "ATTEMPTS",
+        "FAILURES",
+    ]
     name, status, epochs, step, ckpt, loss, attempts, failures = line.split()
     assert (name, status, epochs, step, ckpt, attempts, failures) == (
-        "cli-run", "finished", "2/2", str(steps), str(steps), "2", "1"
+        "cli-run",
+        "finished",
+        "2/2",
+        str(steps),
+        str(steps),
+        "2",
+        "1",
     )
     assert float(loss) == pytest.approx(result.metrics["loss"], abs=1e-4)
 
@@ -85,7 +110,15 @@ def test_list_show_plot_on_a_real_run(ray_local: None, tiny_overrides: list[str]
     assert "training.epochs: 2" in text and "checkpoint.every_steps: 5" in text
     assert f"global step {steps}" in text and f"latest verified step {steps}" in text
     failure_rows = text.split("failures (1)\n", 1)[1].split("\n\n", 1)[0].splitlines()
-    assert failure_rows[0].split()[:7] == ["ATTEMPT", "KIND", "RANK", "STEP", "DECISION", "RECOVERY_S", "LOST_STEPS"]
+    assert failure_rows[0].split()[:7] == [
+        "ATTEMPT",
+        "KIND",
+        "RANK",
+        "STEP",
+        "DECISION",
+        "RECOVERY_S",
+        "LOST_STEPS",
+    ]
     attempt, kind, rank, _step, decision, recovery_s, lost = failure_rows[1].split()[:7]
     assert (attempt, kind, rank, decision) == ("0", "user_error", "1", "restart")
     assert float(recovery_s) > 0 and int(lost) >= 0
@@ -109,7 +142,9 @@ def test_list_show_plot_on_a_real_run(ray_local: None, tiny_overrides: list[str]
     assert png.stat().st_size > 10_000  # two axes with curves, not an empty canvas
 
     # plot without matplotlib: one line that says how to get it
-    missing = cli("plot", run_url, "--out", str(tmp_path / "x.png"), pre="import sys; sys.modules['matplotlib'] = None")
+    missing = cli(
+        "plot", run_url, "--out", str(tmp_path / "x.png"), pre="import sys; sys.modules['matplotlib'] = None"
+    )
     assert_one_line_error(missing, 2, "pip install -e '.[plot]'")
     assert not (tmp_path / "x.png").exists()
 
@@ -127,8 +162,7 @@ def test_list_show_plot_on_a_real_run(ray_local: None, tiny_overrides: list[str]
     mem.put(run_url, "/cli-test/runs/cli-run", recursive=True)
     try:
         assert inspect.list_runs("memory://cli-test/runs") == [
-            dataclasses.replace(s, url="memory://cli-test/runs/cli-run")
-            for s in inspect.list_runs(storage)
+            dataclasses.replace(s, url="memory://cli-test/runs/cli-run") for s in inspect.list_runs(storage)
         ]
     finally:
         mem.rm("/cli-test", recursive=True)

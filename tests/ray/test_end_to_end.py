@@ -48,14 +48,18 @@ def test_tiny_job_trains_checkpoints_and_resumes(ray_local: None, tiny_overrides
     assert torch.equal(model.state_dict()["head.weight"], latest.files["model.pt"]["head.weight"])
 
     # same name and storage, more epochs: resumes and trains only the new epoch
-    second = train(load_config("jobs/configs/tiny_cpu.yaml", [*overrides, "training.epochs=3"]), out=io.StringIO())
+    second = train(
+        load_config("jobs/configs/tiny_cpu.yaml", [*overrides, "training.epochs=3"]), out=io.StringIO()
+    )
     assert second.global_step == 3 * steps_per_epoch
     ev = events(first.run_url)
     started = [e for e in ev if e["event"] == "group_started"]
     assert started[-1]["resume_step"] == first.global_step
     # failures.hot_spare=auto: this Ray has 4 CPUs and the job uses 2, so a spare is kept
     assert all(e["hot_spare"] == "preparing" for e in started)
-    assert all(e["allocator"] == ["tuned"] for e in started)  # scaling.tune_allocator took effect in every rank
+    assert all(
+        e["allocator"] == ["tuned"] for e in started
+    )  # scaling.tune_allocator took effect in every rank
     assert all(e["niceness"] == ["0"] for e in started)  # not Ray's 15, and no privilege needed for it
     assert [e["epoch"] for e in ev if e["event"] == "epoch_end"] == [0, 1, 2]
 
@@ -77,8 +81,13 @@ def test_auto_hot_spare_stays_off_when_it_would_take_cpu_from_training(
     ray_local: None, tiny_overrides: list[str]
 ) -> None:
     # 2 workers x 2 CPUs fill this 4-CPU Ray: preparing a spare would slow the workers down
-    overrides = [*tiny_overrides, "name=nospare", "training.epochs=1", "training.max_steps_per_epoch=2",
-                 "scaling.cpus_per_worker=2"]
+    overrides = [
+        *tiny_overrides,
+        "name=nospare",
+        "training.epochs=1",
+        "training.max_steps_per_epoch=2",
+        "scaling.cpus_per_worker=2",
+    ]
     result = train(load_config("jobs/configs/tiny_cpu.yaml", overrides), out=io.StringIO())
     assert result.status == "finished"
     (started,) = [e for e in events(result.run_url) if e["event"] == "group_started"]

@@ -28,12 +28,24 @@ EPOCHS, STEPS = 2, 15  # 30 steps; checkpoints every 5 steps and at each epoch e
 
 def overrides(storage: str, name: str, *extra: str) -> list[str]:
     return [
-        f"storage={storage}", f"name={name}", "task=tests.audit_task:SlowCharLM",
-        "task_args.max_chars=40000", "task_args.d_model=32", "task_args.n_layers=1", "task_args.context=32",
-        "task_args.step_sleep_s=0.05", "task_args.dropout=0.1",
-        "training.global_batch_size=32", f"training.epochs={EPOCHS}", f"training.max_steps_per_epoch={STEPS}",
-        "training.log_every_steps=1", "checkpoint.every_steps=5", "checkpoint.keep_last=10",
-        "failures.backoff_s=0.1", "failures.hang_timeout_floor_s=60", *extra,
+        f"storage={storage}",
+        f"name={name}",
+        "task=tests.audit_task:SlowCharLM",
+        "task_args.max_chars=40000",
+        "task_args.d_model=32",
+        "task_args.n_layers=1",
+        "task_args.context=32",
+        "task_args.step_sleep_s=0.05",
+        "task_args.dropout=0.1",
+        "training.global_batch_size=32",
+        f"training.epochs={EPOCHS}",
+        f"training.max_steps_per_epoch={STEPS}",
+        "training.log_every_steps=1",
+        "checkpoint.every_steps=5",
+        "checkpoint.keep_last=10",
+        "failures.backoff_s=0.1",
+        "failures.hang_timeout_floor_s=60",
+        *extra,
     ]
 
 
@@ -97,7 +109,12 @@ def committed(run_url: str, step: int) -> bool:
 
 @pytest.mark.parametrize(
     "scenario",
-    ["inject_crash_first_epoch", "sigkill_right_after_checkpoint", "sigkill_mid_epoch", "crash_during_checkpoint"],
+    [
+        "inject_crash_first_epoch",
+        "sigkill_right_after_checkpoint",
+        "sigkill_mid_epoch",
+        "crash_during_checkpoint",
+    ],
 )
 def test_killed_worker_recovers_bitwise_equal(reference: dict, tmp_path: object, scenario: str) -> None:
     storage = f"{tmp_path}/runs"
@@ -112,7 +129,9 @@ def test_killed_worker_recovers_bitwise_equal(reference: dict, tmp_path: object,
         killer = kill_when(run_url, lambda: committed(run_url, 10), rank=1)
     else:  # mid epoch 2, between checkpoints 20 and 25
         killer = kill_when(run_url, lambda: committed(run_url, 20), rank=0, delay=0.12)
-    result = train(load_config("jobs/configs/tiny_cpu.yaml", overrides(storage, scenario, *extra)), out=io.StringIO())
+    result = train(
+        load_config("jobs/configs/tiny_cpu.yaml", overrides(storage, scenario, *extra)), out=io.StringIO()
+    )
     if killer is not None:
         killer.join(1)
     assert result.status == "finished"
@@ -133,8 +152,13 @@ def test_hang_is_detected_by_heartbeat_and_recovered(reference: dict, tmp_path: 
     storage = f"{tmp_path}/runs"
     cfg = load_config(
         "jobs/configs/tiny_cpu.yaml",
-        overrides(storage, "hang", "failures.inject=[{rank: 1, step: 12, kind: hang}]",
-                  "failures.hang_timeout_s=3", "failures.process_group_timeout_s=120"),
+        overrides(
+            storage,
+            "hang",
+            "failures.inject=[{rank: 1, step: 12, kind: hang}]",
+            "failures.hang_timeout_s=3",
+            "failures.process_group_timeout_s=120",
+        ),
     )
     result = train(cfg, out=io.StringIO())
     assert result.status == "finished"
@@ -149,8 +173,10 @@ def test_hang_is_detected_by_heartbeat_and_recovered(reference: dict, tmp_path: 
 
 
 def test_user_exception_once_is_retried(tmp_path: object, ray_local: None) -> None:
-    cfg = load_config("jobs/configs/tiny_cpu.yaml",
-                      overrides(f"{tmp_path}/r", "once", "failures.inject=[{rank: 1, step: 7, kind: raise}]"))
+    cfg = load_config(
+        "jobs/configs/tiny_cpu.yaml",
+        overrides(f"{tmp_path}/r", "once", "failures.inject=[{rank: 1, step: 7, kind: raise}]"),
+    )
     result = train(cfg, out=io.StringIO())
     assert result.status == "finished" and result.attempts == 2
     assert result.failures[0]["kind"] == "user_error"
@@ -162,8 +188,12 @@ def test_user_exception_once_is_retried(tmp_path: object, ray_local: None) -> No
 def test_same_exception_same_step_twice_fails_fast(tmp_path: object, ray_local: None) -> None:
     cfg = load_config(
         "jobs/configs/tiny_cpu.yaml",
-        overrides(f"{tmp_path}/r", "bug", "failures.inject=[{rank: 0, step: 7, kind: raise, attempt: -1}]",
-                  "failures.max_failures=10"),
+        overrides(
+            f"{tmp_path}/r",
+            "bug",
+            "failures.inject=[{rank: 0, step: 7, kind: raise, attempt: -1}]",
+            "failures.max_failures=10",
+        ),
     )
     with pytest.raises(TrainingFailedError) as info:
         train(cfg, out=io.StringIO())
@@ -176,11 +206,17 @@ def test_same_exception_same_step_twice_fails_fast(tmp_path: object, ray_local: 
     assert latest is not None and latest.info.step == 5  # checkpoints intact
 
 
-def test_max_failures_exhausted_is_a_clear_error_with_checkpoints_intact(tmp_path: object, ray_local: None) -> None:
+def test_max_failures_exhausted_is_a_clear_error_with_checkpoints_intact(
+    tmp_path: object, ray_local: None
+) -> None:
     cfg = load_config(
         "jobs/configs/tiny_cpu.yaml",
-        overrides(f"{tmp_path}/r", "budget", "failures.inject=[{rank: 1, step: 8, kind: crash, attempt: -1}]",
-                  "failures.max_failures=1"),
+        overrides(
+            f"{tmp_path}/r",
+            "budget",
+            "failures.inject=[{rank: 1, step: 8, kind: crash, attempt: -1}]",
+            "failures.max_failures=1",
+        ),
     )
     with pytest.raises(TrainingFailedError, match=r"failures.max_failures=1 exhausted \(2 failures\)"):
         train(cfg, out=io.StringIO())
@@ -196,7 +232,12 @@ def test_resources_that_never_appear_are_a_clear_error(tmp_path: object, ray_loc
 
     cfg = load_config(
         "jobs/configs/tiny_cpu.yaml",
-        overrides(f"{tmp_path}/r", "nores", "scaling.resources_per_worker={tpu_slice: 1}", "scaling.resource_wait_s=2"),
+        overrides(
+            f"{tmp_path}/r",
+            "nores",
+            "scaling.resources_per_worker={tpu_slice: 1}",
+            "scaling.resource_wait_s=2",
+        ),
     )
     t0 = time.monotonic()
     with pytest.raises(ResourcesUnavailableError) as info:
@@ -211,13 +252,19 @@ def test_hot_spare_replaces_a_killed_worker(reference: dict, tmp_path: object) -
     storage = f"{tmp_path}/runs"
     run_url = f"{storage}/spare"
     # The kill waits for the driver's report that the spare (started with the group) is prepared. Sleepy steps
-    # leave it the CPU for its torch import (which on 2 cores competes with both training workers) and keep the
+    # leave it the CPU for its torch import (which on 2 cores competes with both training workers) and keep
+    # the
     # run going well past it; a 20 s hang timeout makes the heartbeat, where readiness is checked, 1 s.
     killer = kill_when(run_url, lambda: committed(run_url, 25) and spare_is_ready(run_url), rank=1, delay=0.2)
     cfg = load_config(
         "jobs/configs/tiny_cpu.yaml",
-        overrides(storage, "spare", "failures.hot_spare=true", "task_args.step_sleep_s=0.3",
-                  "failures.hang_timeout_s=20"),
+        overrides(
+            storage,
+            "spare",
+            "failures.hot_spare=true",
+            "task_args.step_sleep_s=0.3",
+            "failures.hang_timeout_s=20",
+        ),
     )
     result = train(cfg, out=io.StringIO())
     killer.join(1)

@@ -45,7 +45,8 @@ def test_embedded_ray_uses_only_supported_settings_runs_actors_and_stops_everyth
     local_ray.start(2)
     try:
         # The quiet settings reach Ray's processes: the system config is what the GCS was started with
-        # (base64 JSON in the GCS server's --config_list), the environment is in its daemons'; the driver's own environment
+        # (base64 JSON in the GCS server's --config_list), the environment is in its daemons'; the driver's
+        # own environment
         # is left as it was.
         gcs = _process_with_arg("--config_list=", "gcs_server")
         with open(f"/proc/{gcs}/cmdline", "rb") as fh:
@@ -68,7 +69,11 @@ def test_embedded_ray_uses_only_supported_settings_runs_actors_and_stops_everyth
             def env(self) -> tuple[str, list[str], int]:
                 import sys
 
-                return os.environ.get("CLUSTER_PROBE_VAR", ""), list(sys.path), os.getpriority(os.PRIO_PROCESS, 0)
+                return (
+                    os.environ.get("CLUSTER_PROBE_VAR", ""),
+                    list(sys.path),
+                    os.getpriority(os.PRIO_PROCESS, 0),
+                )
 
         # no runtime_env: workers inherit the driver's environment and get its working directory on sys.path,
         # and they start at niceness 0 (Ray's default would be 15)

@@ -31,7 +31,9 @@ def events(st: Storage) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(240)
-def test_tiny_job_on_s3_then_resume_from_s3(ray_local: None, tiny_overrides: list[str], moto_s3: MotoS3) -> None:
+def test_tiny_job_on_s3_then_resume_from_s3(
+    ray_local: None, tiny_overrides: list[str], moto_s3: MotoS3
+) -> None:
     over = [*tiny_overrides, f"storage={moto_s3.url('runs')}", "name=s3run", "checkpoint.every_steps=10"]
     cfg = load_config("jobs/configs/tiny_cpu.yaml", [*over, "epochs=1"])
     cfg.storage.options = s3_options(moto_s3)
@@ -67,8 +69,14 @@ def test_tabular_task_reads_parquet_from_s3(ray_local: None, tmp_path: Any, moto
     write(data, rows=2000, files=2, storage_options=moto_s3.options)
     cfg = load_config(
         "jobs/configs/tabular_cpu.yaml",
-        [f"storage={tmp_path}/runs", f"task_args.dataset={data}", "epochs=2", "task_args.hidden=32", "task_args.lr=0.01",
-         "training.log_every_steps=1"],
+        [
+            f"storage={tmp_path}/runs",
+            f"task_args.dataset={data}",
+            "epochs=2",
+            "task_args.hidden=32",
+            "task_args.lr=0.01",
+            "training.log_every_steps=1",
+        ],
     )
     cfg.task_args["storage_options"] = moto_s3.options
     result = train(cfg)
@@ -76,7 +84,8 @@ def test_tabular_task_reads_parquet_from_s3(ray_local: None, tmp_path: Any, moto
     assert result.global_step == 2 * (2000 // 256)
     assert result.global_step == 14  # 2000 rows read from S3: 7 steps of 256 per epoch
     assert result.metrics["loss"] < 1.3  # learnable data: below chance, ln(4)=1.386
-    # the task's extra metric (compute_loss's dict) is recorded: per step, and as each epoch's mean of its steps
+    # the task's extra metric (compute_loss's dict) is recorded: per step, and as each epoch's mean of its
+    # steps
     rows = read_metrics(Storage(result.run_url)).to_pylist()
     for epoch in (0, 1):
         steps = [r["m_acc"] for r in rows if r["kind"] == "step" and r["epoch"] == epoch]
@@ -87,7 +96,9 @@ def test_tabular_task_reads_parquet_from_s3(ray_local: None, tmp_path: Any, moto
 
 
 @pytest.mark.timeout(240)
-def test_corrupted_latest_is_skipped_on_resume(ray_local: None, tiny_overrides: list[str], tmp_path: Any) -> None:
+def test_corrupted_latest_is_skipped_on_resume(
+    ray_local: None, tiny_overrides: list[str], tmp_path: Any
+) -> None:
     over = [*tiny_overrides, "name=corrupt", "checkpoint.every_steps=10"]
     first = train(load_config("jobs/configs/tiny_cpu.yaml", [*over, "epochs=1"]))
     latest = first.global_step
@@ -125,7 +136,9 @@ def test_storage_only_visible_to_driver_fails_with_clear_error(
         return real(Storage(f"{tmp_path}/driver-only-disk"))
 
     monkeypatch.setattr(driver_mod, "write_probe", probe_elsewhere)
-    cfg = load_config("jobs/configs/tiny_cpu.yaml", [*tiny_overrides, "name=probe"])  # default max_failures: must not retry
+    cfg = load_config(
+        "jobs/configs/tiny_cpu.yaml", [*tiny_overrides, "name=probe"]
+    )  # default max_failures: must not retry
     with pytest.raises(Exception, match=r"storage.url=.* is not visible from node .*shared mount"):
         train(cfg)
     assert not os.path.exists(f"{tmp_path}/runs/probe/checkpoints")

@@ -14,8 +14,9 @@ import pytest
 
 pytestmark = [
     pytest.mark.timeout(60),
-    pytest.mark.skipif(not sys.platform.startswith("linux") or ctypes.util.find_library("c") is None,
-                       reason="glibc only"),
+    pytest.mark.skipif(
+        not sys.platform.startswith("linux") or ctypes.util.find_library("c") is None, reason="glibc only"
+    ),
 ]
 
 # Allocate and free a 64 MiB block 20 times; report the minor page faults of the last 10 rounds and whether
@@ -50,7 +51,9 @@ PROBE = textwrap.dedent("""
 
 
 def _probe(mode: str) -> tuple[str, int, int]:
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, timeout=50, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, mode], capture_output=True, text=True, timeout=50, check=True
+    )
     state, faults, mmapped = out.stdout.split()
     return state, int(faults), int(mmapped)
 
@@ -64,7 +67,8 @@ def test_tuned_allocator_reuses_memory_instead_of_refaulting_it() -> None:
 
 
 def test_system_allocator_refaults_every_round() -> None:
-    """The baseline the tuning removes: glibc maps a fresh 64 MiB block and faults every page of it each time."""
+    """The baseline the tuning removes: glibc maps a fresh 64 MiB block and faults every page of it each
+    time."""
     state, faults, mmapped = _probe("system")
     assert state == "system"
     assert mmapped >= 64 << 20

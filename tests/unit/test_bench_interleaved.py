@@ -50,8 +50,12 @@ def test_labels_number_a_repeated_arm() -> None:
 
 def test_summary_ratio_is_per_repeat_against_bare() -> None:
     def rep(p: float, b: float) -> dict[str, object]:
-        return {"arms": {"product": {"interleaved": {"epoch_mean_s": p, "epoch_median_s": p}},
-                         "bare": {"interleaved": {"epoch_mean_s": b, "epoch_median_s": b}}}}
+        return {
+            "arms": {
+                "product": {"interleaved": {"epoch_mean_s": p, "epoch_median_s": p}},
+                "bare": {"interleaved": {"epoch_mean_s": b, "epoch_median_s": b}},
+            }
+        }
 
     s = summarize([rep(1.01, 1.0), rep(2.04, 2.0), rep(3.0, 3.0)], ["product", "bare"])
     r = s["epoch_ratios"]["product/bare"]
@@ -97,7 +101,9 @@ def _write_events(path: Path, records: list[dict[str, Any]]) -> None:
 
 
 def test_events_are_read_from_the_log_file_and_from_numbered_segments(tmp_path: Path) -> None:
-    _write_events(tmp_path / "events.jsonl", [{"time": 1.0, "event": "run_start"}, {"time": 5.0, "event": "finished"}])
+    _write_events(
+        tmp_path / "events.jsonl", [{"time": 1.0, "event": "run_start"}, {"time": 5.0, "event": "finished"}]
+    )
     _write_events(tmp_path / "events" / "00002.jsonl", [{"time": 4.0, "event": "epoch_end"}])
     _write_events(tmp_path / "events" / "00001.jsonl", [{"time": 2.0, "event": "group_started"}])
     events = bench_ddp.read_events(str(tmp_path))
@@ -109,7 +115,14 @@ def test_product_breakdown_comes_from_the_event_log() -> None:
     setup = {"process_group": 0.01, "task": 0.02, "ddp": 1.5, "checkpoint_load": 0.005, "ready": 0.001}
     events = [
         {"time": 101.5, "event": "run_start", "attempt": 0},
-        {"time": 105.0, "event": "group_started", "attempt": 0, "seconds": 3.4, "setup_s": setup, "pids": [7, 8]},
+        {
+            "time": 105.0,
+            "event": "group_started",
+            "attempt": 0,
+            "seconds": 3.4,
+            "setup_s": setup,
+            "pids": [7, 8],
+        },
         {"time": 110.0, "event": "epoch_end"},
         {"time": 120.0, "event": "finished", "global_step": 192},
     ]
@@ -133,13 +146,21 @@ def test_product_fault_figures_come_from_the_event_log_and_the_kill_file(tmp_pat
         {"time": 190.0, "event": "group_started", "attempt": 0, "resume_step": 0},
         {"time": 200.03, "event": "failure", "kind": "worker_died"},
         {"time": 202.0, "event": "group_started", "attempt": 1, "resume_step": 70},
-        {"time": 202.5, "event": "recovered", "lost_steps": 5, "reserve_s": 0.001, "detect_to_first_step_s": 2.4},
+        {
+            "time": 202.5,
+            "event": "recovered",
+            "lost_steps": 5,
+            "reserve_s": 0.001,
+            "detect_to_first_step_s": 2.4,
+        },
     ]
     rows = [{"attempt": 0, "time": 199.9}, {"attempt": 1, "time": 202.4}, {"attempt": 1, "time": 202.45}]
     fault, phases = bench_ddp.product_fault(events, rows, str(kill_file), 76)
     assert fault["recovery_s"] == pytest.approx(2.4)
     assert fault["kill_to_detect_s"] == pytest.approx(0.03)
-    assert fault["resume_step"] == 70 and fault["lost_steps"] == 5 and fault["product_reported_lost_steps"] == 5
+    assert (
+        fault["resume_step"] == 70 and fault["lost_steps"] == 5 and fault["product_reported_lost_steps"] == 5
+    )
     assert phases == {"lost_steps": 5, "reserve_s": 0.001, "detect_to_first_step_s": 2.4}
 
 
@@ -156,8 +177,10 @@ def test_freezer_stops_a_process_and_its_children_and_thaws_them() -> None:
     except RuntimeError as e:
         pytest.skip(f"no writable cgroup freezer on this machine: {e}")
     # A parent that starts a busy child: both must be in the cgroup, and both must stop.
-    code = "import subprocess,sys; subprocess.Popen([sys.executable,'-c','while True: pass']); " \
-           "import time\nwhile True: time.sleep(0.01)"
+    code = (
+        "import subprocess,sys; subprocess.Popen([sys.executable,'-c','while True: pass']); "
+        "import time\nwhile True: time.sleep(0.01)"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], preexec_fn=fz.join)
     try:
         deadline = time.monotonic() + 20

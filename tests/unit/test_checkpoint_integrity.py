@@ -21,7 +21,10 @@ def make_store(tmp_path: Any) -> CheckpointStore:
 
 
 def commit(store: CheckpointStore, step: int) -> None:
-    files = {"model.pt": serialize({"w": torch.full((64,), float(step))}), "train_state.pt": serialize({"step": step})}
+    files = {
+        "model.pt": serialize({"w": torch.full((64,), float(step))}),
+        "train_state.pt": serialize({"step": step}),
+    }
     store.commit(step, files, {"epoch": 0})
 
 
@@ -58,7 +61,9 @@ def truncate(p: str) -> None:
     ],
     ids=["flipped-bytes", "truncated-file", "deleted-file", "deleted-manifest", "truncated-manifest"],
 )
-def test_damaged_latest_falls_back_to_previous_verified(tmp_path: Any, damage: Any, target: str, reason: str) -> None:
+def test_damaged_latest_falls_back_to_previous_verified(
+    tmp_path: Any, damage: Any, target: str, reason: str
+) -> None:
     store = make_store(tmp_path)
     for step in (10, 20, 30):
         commit(store, step)

@@ -20,7 +20,10 @@ def store(request: pytest.FixtureRequest, tmp_path: object) -> CheckpointStore:
 
 
 def commit(store: CheckpointStore, step: int) -> None:
-    files = {"model.pt": serialize({"w": torch.full((4,), float(step))}), "train_state.pt": serialize({"step": step})}
+    files = {
+        "model.pt": serialize({"w": torch.full((4,), float(step))}),
+        "train_state.pt": serialize({"step": step}),
+    }
     store.commit(step, files, {"epoch": step // 10})
 
 
@@ -84,7 +87,9 @@ def test_writer_commits_in_order_and_reports(store: CheckpointStore, async_save:
     w = torch.zeros(1000)
     for step in (1, 2, 3):
         w += 1
-        stall = writer.save(step, 0, {"world_size": 1}, {"model.pt": {"w": w}, "train_state.pt": {"step": step}})
+        stall = writer.save(
+            step, 0, {"world_size": 1}, {"model.pt": {"w": w}, "train_state.pt": {"step": step}}
+        )
         assert stall >= 0
     writer.close()
     records = writer.drain()

@@ -37,10 +37,16 @@ BAD = [
     (["task=not a path"], "must be an import path"),
     (["storage="], "storage.url is empty"),
     (["failures.inject=[{rank: 5, step: 3}]"], "failures.inject[0].rank=5 is not a rank of this job"),
-    (["failures.inject=[{rank: 0, step: 3, kind: explode}]"], "failures.inject[0].kind='explode' is not allowed"),
+    (
+        ["failures.inject=[{rank: 0, step: 3, kind: explode}]"],
+        "failures.inject[0].kind='explode' is not allowed",
+    ),
     (["scaling=4"], "scaling must be a mapping"),
     (["training.epochs"], "must look like key=value"),
-    (["failures.hot_spare=sometimes"], "failures.hot_spare='sometimes' is not allowed; use true or false or 'auto'"),
+    (
+        ["failures.hot_spare=sometimes"],
+        "failures.hot_spare='sometimes' is not allowed; use true or false or 'auto'",
+    ),
 ]
 
 

@@ -41,6 +41,7 @@ def test_reference_has_one_documented_row_per_config_key() -> None:
     keys = [key for key, *_ in field_docs()]
     assert [r.split("`")[1] for r in rows] == keys
     assert {"scaling.socket_ifname", "failures.max_failures", "failures.inject", "storage.url"} <= set(keys)
+
     # Every leaf of JobConfig is there, and every row has a meaning.
     def leaves(cls: type, prefix: str = "") -> list[str]:
         out = []
@@ -81,7 +82,10 @@ def test_docs_config_command_prints_and_writes_the_block(tmp_path: pathlib.Path)
     copy.write_text(_readme().replace("Number of DDP workers", "Number of workers, stale"))
     out = subprocess.run(
         [sys.executable, "-m", "cluster", "docs-config", "--write", str(copy)],
-        cwd=REPO, capture_output=True, text=True, timeout=50,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=50,
     )
     assert out.returncode == 0, out.stderr
     assert copy.read_text() == _readme()

@@ -30,8 +30,15 @@ class ScriptedGroup:
     instances: list[ScriptedGroup] = []
     niceness = "0"  # what every rank reports from scaling.worker_niceness
 
-    def __init__(self, cfg: JobConfig, run_url: str, attempt: int, script: dict[int, list[Any]],
-                 capacity: list[int], resume: dict[int, int]) -> None:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        run_url: str,
+        attempt: int,
+        script: dict[int, list[Any]],
+        capacity: list[int],
+        resume: dict[int, int],
+    ) -> None:
         self.cfg, self.attempt, self.script = cfg, attempt, script.get(attempt, [])
         self.capacity, self.resume = capacity, resume
         self.world_size = 0
@@ -52,9 +59,28 @@ class ScriptedGroup:
         self.world_size = world_size
         step = self.resume.get(self.attempt, 0)
         rp = ResumePoint(step, step // STEPS, step % STEPS, None)
-        return [SetupInfo(r, world_size, "h", 1, "gloo", STEPS, rp, [], {"start": 0.0, "process_group": 0.0, "task": 0.0, "ddp": 0.0, "checkpoint_load": 0.0, "ready": 0.0},
-                          niceness=self.niceness)
-                for r in range(world_size)]
+        return [
+            SetupInfo(
+                r,
+                world_size,
+                "h",
+                1,
+                "gloo",
+                STEPS,
+                rp,
+                [],
+                {
+                    "start": 0.0,
+                    "process_group": 0.0,
+                    "task": 0.0,
+                    "ddp": 0.0,
+                    "checkpoint_load": 0.0,
+                    "ready": 0.0,
+                },
+                niceness=self.niceness,
+            )
+            for r in range(world_size)
+        ]
 
     def run_epoch(self, epoch: int, start_step: int) -> None:
         self.calls.append(f"epoch{epoch}@{start_step}")
@@ -72,8 +98,10 @@ class ScriptedGroup:
             return None
         steps = STEPS - self.start_step
         gs = (self.epoch + 1) * STEPS
-        return [EpochResult(r, self.epoch, gs, steps, steps * 8, 1.0 / (self.epoch + 1), 0.01, 1.0)
-                for r in range(self.world_size)]
+        return [
+            EpochResult(r, self.epoch, gs, steps, steps * 8, 1.0 / (self.epoch + 1), 0.01, 1.0)
+            for r in range(self.world_size)
+        ]
 
     def heartbeats(self, timeout: float = 2.0) -> list[Heartbeat | None]:
         return [Heartbeat(r, self.epoch * STEPS + 1, 0.0, 0.01, True) for r in range(self.world_size)]
@@ -103,14 +131,24 @@ class ScriptedGroup:
         self.shut = graceful
 
 
-def make(script: dict[int, list[Any]], overrides: list[str] = (), capacity: int = 2,
-         resume: dict[int, int] | None = None) -> tuple[Driver, list[int]]:
+def make(
+    script: dict[int, list[Any]],
+    overrides: list[str] = (),
+    capacity: int = 2,
+    resume: dict[int, int] | None = None,
+) -> tuple[Driver, list[int]]:
     ScriptedGroup.instances = []
     cap = [capacity]
-    cfg = load_config(data={"storage": {"url": f"memory://drv-{uuid.uuid4().hex}"}},
-                      overrides=["training.epochs=3", "failures.backoff_s=0", *overrides])
-    driver = Driver(cfg, group_factory=lambda c, u, a: ScriptedGroup(c, u, a, script, cap, resume or {}),
-                    out=io.StringIO(), poll_s=0.0)
+    cfg = load_config(
+        data={"storage": {"url": f"memory://drv-{uuid.uuid4().hex}"}},
+        overrides=["training.epochs=3", "failures.backoff_s=0", *overrides],
+    )
+    driver = Driver(
+        cfg,
+        group_factory=lambda c, u, a: ScriptedGroup(c, u, a, script, cap, resume or {}),
+        out=io.StringIO(),
+        poll_s=0.0,
+    )
     return driver, cap
 
 
@@ -172,7 +210,9 @@ def test_hang_detected_by_heartbeat() -> None:
 
 
 def test_shrinks_to_min_workers_then_grows_back_at_epoch_boundary() -> None:
-    driver, cap = make({0: [Failure("node_lost", 1, "node_lost:gone")]}, ["scaling.min_workers=1"], resume={1: 0})
+    driver, cap = make(
+        {0: [Failure("node_lost", 1, "node_lost:gone")]}, ["scaling.min_workers=1"], resume={1: 0}
+    )
     original_factory = driver.group_factory
 
     def factory(cfg: JobConfig, url: str, attempt: int) -> Any:
@@ -255,7 +295,10 @@ def test_spare_ready_is_reported_once_per_group() -> None:
 
 
 def test_workers_left_at_rays_niceness_are_warned_about_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    note = "15 (not permitted to set scaling.worker_niceness=0: start Ray with RAY_worker_niceness=0, or give the workers CAP_SYS_NICE)"
+    note = (
+        "15 (not permitted to set scaling.worker_niceness=0: start Ray with RAY_worker_niceness=0, "
+        "or give the workers CAP_SYS_NICE)"
+    )
     monkeypatch.setattr(ScriptedGroup, "niceness", note)
     driver, _ = make({})
     assert driver.run().status == "finished"
@@ -273,8 +316,11 @@ def test_no_niceness_warning_at_normal_priority() -> None:
 
 
 def transitions(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage().split(" (")[0].removeprefix("state ") for r in caplog.records
-            if r.name == "cluster.driver" and r.getMessage().startswith("state ")]
+    return [
+        r.getMessage().split(" (")[0].removeprefix("state ")
+        for r in caplog.records
+        if r.name == "cluster.driver" and r.getMessage().startswith("state ")
+    ]
 
 
 def test_every_transition_goes_through_one_place_and_states_carry_their_data(
@@ -284,9 +330,15 @@ def test_every_transition_goes_through_one_place_and_states_carry_their_data(
     driver, _ = make({0: ["ok", Failure("worker_died", 1, "worker_died:rank 1 died")]}, resume={1: 6})
     assert driver.run().status == "finished"
     assert transitions(caplog) == [
-        "starting -> starting", "starting -> running", "running -> running",  # epoch 0, then epoch 1 fails
-        "running -> recovering", "recovering -> starting", "starting -> running",  # resumed at epoch 1 step 2
-        "running -> running", "running -> finishing", "finishing -> finished",
+        "starting -> starting",
+        "starting -> running",
+        "running -> running",  # epoch 0, then epoch 1 fails
+        "running -> recovering",
+        "recovering -> starting",
+        "starting -> running",  # resumed at epoch 1 step 2
+        "running -> running",
+        "running -> finishing",
+        "finishing -> finished",
     ]
     described = [r.getMessage() for r in caplog.records if "recovering from" in r.getMessage()]
     assert described and "worker_died (rank 1)" in described[0]  # the Recovering state holds its failure
@@ -302,6 +354,7 @@ def test_growing_back_is_a_transition_of_its_own(caplog: pytest.LogCaptureFixtur
     def factory(cfg: JobConfig, url: str, attempt: int) -> Any:
         group = original_factory(cfg, url, attempt)
         if attempt == 0:
+
             def joined(n: int) -> bool:  # a node joins while the first epoch trains
                 cap[0] = 2
                 return True
@@ -348,8 +401,16 @@ def test_extra_metrics_reach_the_parquet_and_the_result() -> None:
         results = original_poll(self, timeout)
         for r in results or []:
             r.metrics = {"acc": 0.25 * (r.epoch + 1)}
-            r.step_rows = [{"time": 1.0 + r.epoch, "global_step": r.global_step, "epoch": r.epoch, "loss": 1.0,
-                            "lr": 0.1, "m_acc": 0.5}]
+            r.step_rows = [
+                {
+                    "time": 1.0 + r.epoch,
+                    "global_step": r.global_step,
+                    "epoch": r.epoch,
+                    "loss": 1.0,
+                    "lr": 0.1,
+                    "m_acc": 0.5,
+                }
+            ]
         return results
 
     ScriptedGroup.poll = poll  # type: ignore[method-assign]

@@ -53,7 +53,14 @@ def test_failures_pair_with_their_decision_and_recovery() -> None:
 
 
 def test_flatten_keeps_free_form_mappings_whole() -> None:
-    cfg = {"training": {"epochs": 3}, "task_args": {"d_model": 8}, "storage": {"url": "s3://b", "options": {"key": "***"}}}
+    cfg = {
+        "training": {"epochs": 3},
+        "task_args": {"d_model": 8},
+        "storage": {"url": "s3://b", "options": {"key": "***"}},
+    }
     assert flatten(cfg) == {
-        "training.epochs": 3, "task_args": {"d_model": 8}, "storage.url": "s3://b", "storage.options": {"key": "***"}
+        "training.epochs": 3,
+        "task_args": {"d_model": 8},
+        "storage.url": "s3://b",
+        "storage.options": {"key": "***"},
     }

@@ -13,7 +13,10 @@ def test_defaults_when_the_user_set_nothing() -> None:
     cfg = local_ray._system_config({})
     assert cfg["raylet_client_connect_timeout_milliseconds"] == 50
     # the retry budget stays Ray's 10 s (10 attempts x 1000 ms)
-    assert cfg["raylet_client_connect_timeout_milliseconds"] * cfg["raylet_client_num_connect_attempts"] == 10_000
+    assert (
+        cfg["raylet_client_connect_timeout_milliseconds"] * cfg["raylet_client_num_connect_attempts"]
+        == 10_000
+    )
     assert cfg["task_events_report_interval_ms"] == 0
     assert cfg["enable_metrics_collection"] is False
     assert cfg["memory_monitor_refresh_ms"] == 1000  # the OOM guard stays on, at a lower rate

@@ -16,9 +16,18 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 def _row(i: int, **over: object) -> dict[str, object]:
     row: dict[str, object] = {
-        "kind": "step", "time": 1000.0 + i, "global_step": i, "epoch": i // 3, "step_in_epoch": i % 3,
-        "loss": 2.0 / (i + 1), "lr": 1e-3, "step_time_s": 0.05, "samples_per_s": 1280.0,
-        "checkpoint_stall_s": 0.0, "world_size": 2, "attempt": 0,
+        "kind": "step",
+        "time": 1000.0 + i,
+        "global_step": i,
+        "epoch": i // 3,
+        "step_in_epoch": i % 3,
+        "loss": 2.0 / (i + 1),
+        "lr": 1e-3,
+        "step_time_s": 0.05,
+        "samples_per_s": 1280.0,
+        "checkpoint_stall_s": 0.0,
+        "world_size": 2,
+        "attempt": 0,
     }
     row.update(over)
     return row
@@ -47,7 +56,8 @@ def test_writing_metrics_does_not_import_pandas(tmp_path) -> None:
     # pa.array would import pandas in the driver at the first epoch end, while the workers train.
     code = (
         "import sys; from cluster.metrics import write_metrics; from cluster.storage import Storage;"
-        f"write_metrics(Storage({str(tmp_path)!r}), [{{'kind': 'step', 'time': 1.0, 'global_step': 1}}], 0, 0);"
+        f"write_metrics(Storage({str(tmp_path)!r}), "
+        "[{'kind': 'step', 'time': 1.0, 'global_step': 1}], 0, 0);"
         "print('pandas' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, check=True)

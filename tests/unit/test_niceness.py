@@ -14,7 +14,10 @@ import textwrap
 
 import pytest
 
-pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux")]
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux"),
+]
 
 PROBE = textwrap.dedent("""
     import json, os, sys, threading
@@ -33,8 +36,14 @@ PROBE = textwrap.dedent("""
 
 
 def _probe(value: str) -> tuple[str, list[int]]:
-    out = subprocess.run([sys.executable, "-c", PROBE, value], capture_output=True, text=True, timeout=50,
-                         check=True, preexec_fn=lambda: os.nice(15 - os.nice(0)))
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, value],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=True,
+        preexec_fn=lambda: os.nice(15 - os.nice(0)),
+    )
     note, levels = json.loads(out.stdout)
     return note, levels
 

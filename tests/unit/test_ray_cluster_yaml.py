@@ -52,7 +52,8 @@ def test_head_is_cpu_and_gpu_worker_types_have_autoscaling_bounds() -> None:
     assert re.match(r"^[mcr]\d", head["node_config"]["InstanceType"]), "the head is a CPU instance"
     assert head["resources"].get("CPU") == 0, "no training workers on the head"
     gpu_types = {
-        name: t for name, t in types.items()
+        name: t
+        for name, t in types.items()
         if name != cfg["head_node_type"] and re.match(r"^(g\d|p\d)", t["node_config"]["InstanceType"])
     }
     assert gpu_types, "at least one GPU worker node type"

@@ -1,4 +1,5 @@
-"""read_parquet: a file, a folder or a glob, only the named columns, and one clear ConfigError per bad input."""
+"""read_parquet: a file, a folder or a glob, only the named columns, and one clear ConfigError per bad
+input."""
 
 from __future__ import annotations
 

@@ -57,7 +57,9 @@ def test_matches_torch_distributed_sampler_sharding() -> None:
 
 
 @pytest.mark.parametrize(("world_before", "world_after"), [(2, 2), (4, 2), (2, 3), (3, 1)])
-def test_resume_at_offset_with_any_world_size_neither_repeats_nor_skips(world_before: int, world_after: int) -> None:
+def test_resume_at_offset_with_any_world_size_neither_repeats_nor_skips(
+    world_before: int, world_after: int
+) -> None:
     n, b, epoch, cut = 960, 48, 1, 7
     before = shards(n, b, world_before, epoch)
     done = torch.cat([idx for rank in before for idx in rank[:cut]])

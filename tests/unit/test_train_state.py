@@ -30,8 +30,15 @@ def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_s
 
 def test_every_field_written_is_read_back_through_a_checkpoint_file() -> None:
     model, opt, sched = _trained()
-    state = TrainState(global_step=3, epoch=1, step_in_epoch=2, world_size=4, seed=7,
-                       optimizer=opt.state_dict(), scheduler=sched.state_dict())
+    state = TrainState(
+        global_step=3,
+        epoch=1,
+        step_in_epoch=2,
+        world_size=4,
+        seed=7,
+        optimizer=opt.state_dict(),
+        scheduler=sched.state_dict(),
+    )
     written = state.state_dict()
     assert set(written) == {f.name for f in dataclasses.fields(TrainState)}
     back = TrainState.from_state_dict(deserialize(serialize(written)))
@@ -52,7 +59,9 @@ def test_a_missing_or_unknown_key_is_a_clear_error_and_old_checkpoints_still_loa
     _, opt, _ = _trained()
     good = TrainState(1, 0, 1, 2, 0, opt.state_dict(), None).state_dict()
     with pytest.raises(CheckpointError, match=r"missing \['seed'\]"):
-        TrainState.from_state_dict({k: v for k, v in good.items() if k != "seed"}, "s3://b/run/step_1/train_state.pt")
+        TrainState.from_state_dict(
+            {k: v for k, v in good.items() if k != "seed"}, "s3://b/run/step_1/train_state.pt"
+        )
     with pytest.raises(CheckpointError, match=r"s3://b/run.*unknown \['extra'\]"):
         TrainState.from_state_dict({**good, "extra": 1}, "s3://b/run/step_1/train_state.pt")
     # what earlier versions wrote besides these fields (derivable, or unused by exact resume) is accepted
