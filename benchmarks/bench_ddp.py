@@ -627,6 +627,7 @@ def summarize(runs: list[dict[str, Any]], fault: bool) -> dict[str, Any]:
                     "actors_s",
                     "rendezvous_s",
                     "task_s",
+                    "ddp_s",
                     "checkpoint_load_s",
                     "first_step_s",
                     "detect_to_first_step_s",

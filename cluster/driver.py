@@ -80,6 +80,7 @@ class RecoveryTiming:
     actors_s: float = 0.0
     rendezvous_s: float = 0.0
     task_s: float = 0.0
+    ddp_s: float = 0.0
     checkpoint_load_s: float = 0.0
 
     def group_started(
@@ -89,7 +90,8 @@ class RecoveryTiming:
         self.actors_s = max(i.timings["start"] for i in infos) - t_reserved
         self.rendezvous_s = max(i.timings["process_group"] - i.timings["start"] for i in infos)
         self.task_s = max(i.timings["task"] - i.timings["process_group"] for i in infos)
-        self.checkpoint_load_s = max(i.timings["checkpoint_load"] - i.timings["task"] for i in infos)
+        self.ddp_s = max(i.timings["ddp"] - i.timings["task"] for i in infos)
+        self.checkpoint_load_s = max(i.timings["checkpoint_load"] - i.timings["ddp"] for i in infos)
 
     @property
     def lost_steps(self) -> int:
@@ -103,6 +105,7 @@ class RecoveryTiming:
             "actors_s": self.actors_s,
             "rendezvous_s": self.rendezvous_s,
             "task_s": self.task_s,
+            "ddp_s": self.ddp_s,
             "checkpoint_load_s": self.checkpoint_load_s,
             "first_step_s": first_step_at - self.t_ready,
             "detect_to_first_step_s": first_step_at - self.t_detect,
