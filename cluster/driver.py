@@ -27,13 +27,13 @@ import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, TextIO
+from typing import Any, TextIO
 
 import torch
 
 from cluster import local_ray
 from cluster.checkpoint import CheckpointStore, CommitRecord
-from cluster.config import FailureConfig, JobConfig
+from cluster.config import JobConfig
 from cluster.errors import (
     CheckpointError,
     ConfigError,
@@ -44,183 +44,44 @@ from cluster.errors import (
 )
 from cluster.group import GroupFactory, Salvage, WorkerGroup
 from cluster.metrics import EventLog, ProgressDisplay, write_metrics
+from cluster.policy import Decision, FailurePolicy, HangWatch
+from cluster.states import (
+    Failed,
+    Finished,
+    Finishing,
+    Recovering,
+    RecoveryTiming,
+    Resizing,
+    Running,
+    Starting,
+    State,
+)
 from cluster.storage import PROBE_ENV, Storage, join, normalize_url, write_probe
-from cluster.worker import EpochResult, Heartbeat, SetupInfo
+from cluster.worker import EpochResult, SetupInfo
+
+__all__ = [
+    "Decision",
+    "Driver",
+    "Failed",
+    "FailurePolicy",
+    "Finished",
+    "Finishing",
+    "HangWatch",
+    "Recovering",
+    "Resizing",
+    "Result",
+    "Running",
+    "Starting",
+    "State",
+    "check_cluster",
+    "ensure_ray",
+    "result_to_json",
+    "train",
+]
 
 __version__ = "0.1.0"
 
 logger = logging.getLogger(__name__)
-
-
-# ---------------------------------------------------------------------------------------------- states
-class State:
-    """A state of the driver. Each carries what its step needs; ``Driver._step`` returns the next one."""
-
-    name: ClassVar[str]
-    is_terminal: ClassVar[bool] = False
-
-    def describe(self) -> str:
-        return self.name
-
-
-@dataclass
-class RecoveryTiming:
-    """The phases of one recovery, from the failure's detection to the first step after it (the
-    ``recovered`` event). Filled in as the recovery goes through Recovering, Starting and Running."""
-
-    kind: str
-    t_detect: float
-    seen_step: int
-    """The highest step any rank had reached when the failure was seen."""
-    t_teardown: float = 0.0
-    reused_workers: int = 0
-    t_reserved: float = 0.0
-    t_ready: float = 0.0
-    resume_step: int = 0
-    actors_s: float = 0.0
-    rendezvous_s: float = 0.0
-    task_s: float = 0.0
-    ddp_s: float = 0.0
-    checkpoint_load_s: float = 0.0
-
-    def group_started(
-        self, t_reserved: float, t_ready: float, infos: list[SetupInfo], resume_step: int
-    ) -> None:
-        self.t_reserved, self.t_ready, self.resume_step = t_reserved, t_ready, resume_step
-        self.actors_s = max(i.timings["start"] for i in infos) - t_reserved
-        self.rendezvous_s = max(i.timings["process_group"] - i.timings["start"] for i in infos)
-        self.task_s = max(i.timings["task"] - i.timings["process_group"] for i in infos)
-        self.ddp_s = max(i.timings["ddp"] - i.timings["task"] for i in infos)
-        self.checkpoint_load_s = max(i.timings["checkpoint_load"] - i.timings["ddp"] for i in infos)
-
-    @property
-    def lost_steps(self) -> int:
-        return max(0, self.seen_step - self.resume_step)
-
-    def phases(self, first_step_at: float) -> dict[str, float]:
-        return {
-            "detect_to_teardown_s": self.t_teardown - self.t_detect,
-            "reserve_s": self.t_reserved - self.t_teardown,
-            "start_and_load_s": self.t_ready - self.t_reserved,
-            "actors_s": self.actors_s,
-            "rendezvous_s": self.rendezvous_s,
-            "task_s": self.task_s,
-            "ddp_s": self.ddp_s,
-            "checkpoint_load_s": self.checkpoint_load_s,
-            "first_step_s": first_step_at - self.t_ready,
-            "detect_to_first_step_s": first_step_at - self.t_detect,
-        }
-
-
-@dataclass(frozen=True)
-class Starting(State):
-    """Reserve resources and start a gang: the first one, after a failure, or a larger one."""
-
-    name: ClassVar[str] = "starting"
-    recovery: RecoveryTiming | None = None
-    salvage: Salvage | None = None
-    """Workers kept from the failed group, for a warm restart."""
-
-
-@dataclass(frozen=True)
-class Running(State):
-    """The gang trains ``epoch`` from ``start_step``; the driver watches its heartbeats."""
-
-    name: ClassVar[str] = "running"
-    epoch: int
-    start_step: int
-    dispatched_at: float | None = None
-    """When the previous epoch's handler already dispatched this epoch (workers do not wait for the driver
-    between epochs); None when this step must dispatch it."""
-    recovery: RecoveryTiming | None = None
-    """Set until the first epoch after a recovery completes and its ``recovered`` event is written."""
-
-    def describe(self) -> str:
-        return f"running epoch {self.epoch} from step {self.start_step}"
-
-
-@dataclass(frozen=True)
-class Recovering(State):
-    """A failure was seen: decide (restart or give up), salvage what can be kept, tear down the rest."""
-
-    name: ClassVar[str] = "recovering"
-    failure: Failure
-    recovery: RecoveryTiming
-
-    def describe(self) -> str:
-        return f"recovering from {self.failure.kind} (rank {self.failure.rank})"
-
-
-@dataclass(frozen=True)
-class Resizing(State):
-    """At an epoch boundary, resources for more workers returned: flush, stop this gang, start a larger
-    one."""
-
-    name: ClassVar[str] = "resizing"
-    new_size: int
-
-
-@dataclass(frozen=True)
-class Finishing(State):
-    """The last epoch is done: flush the last checkpoint and record the end."""
-
-    name: ClassVar[str] = "finishing"
-    loss: float
-
-
-@dataclass(frozen=True)
-class Finished(State):
-    name: ClassVar[str] = "finished"
-    is_terminal: ClassVar[bool] = True
-
-
-@dataclass(frozen=True)
-class Failed(State):
-    name: ClassVar[str] = "failed"
-    is_terminal: ClassVar[bool] = True
-    error: BaseException
-
-
-# ---------------------------------------------------------------------------------------------- policy
-@dataclass(frozen=True)
-class Decision:
-    restart: bool
-    reason: str
-    delay_s: float = 0.0
-
-
-class FailurePolicy:
-    """Restart with exponential backoff until ``max_failures``; the same user error at the same step
-    twice is a bug, not bad luck, and fails at once."""
-
-    def __init__(self, cfg: FailureConfig) -> None:
-        self.cfg = cfg
-
-    def decide(self, failure: Failure, history: list[Failure], streak: int | None = None) -> Decision:
-        """``history`` holds every failure so far, this one last; ``streak`` counts the failures since
-        training last completed an epoch (default: all of them)."""
-        count = len(history)
-        if failure.kind == "user_error" and failure.error is not None:
-            for prev in history[:-1]:
-                if prev.error is not None and prev.error.signature == failure.error.signature:
-                    return Decision(
-                        False,
-                        f"the same {failure.error.exc_type} happened twice at step {failure.error.step}: "
-                        "a bug in the task, not a transient failure",
-                    )
-        if self.cfg.max_failures != -1 and count > self.cfg.max_failures:
-            return Decision(
-                False,
-                f"failures.max_failures={self.cfg.max_failures} exhausted ({count} failures); "
-                "raise it (or -1 for unlimited) to keep retrying",
-            )
-        # The first restart after progress is immediate (like torchrun); repeated failures back off.
-        streak = count if streak is None else streak
-        delay = 0.0 if streak <= 1 else min(self.cfg.backoff_max_s, self.cfg.backoff_s * 2 ** (streak - 2))
-        return Decision(True, f"restart {count}/{self._budget()}", delay)
-
-    def _budget(self) -> str:
-        return "unlimited" if self.cfg.max_failures == -1 else str(self.cfg.max_failures)
 
 
 @dataclass
@@ -691,47 +552,6 @@ class Driver:
             world_size=self.world_size,
             error=str(error) if error is not None else None,
         )
-
-
-class HangWatch:
-    """Tracks each rank's step; a rank whose step stops advancing past the hang timeout is hung."""
-
-    def __init__(self, cfg: FailureConfig, start_step: int) -> None:
-        self.cfg = cfg
-        self.max_step = start_step
-        self.max_step_time = 0.0
-        self._last: dict[int, tuple[int, float]] = {}
-        self._t0 = time.monotonic()
-
-    def timeout(self) -> float:
-        if self.cfg.hang_timeout_s is not None:
-            return self.cfg.hang_timeout_s
-        return max(self.cfg.hang_timeout_floor_s, 10 * self.max_step_time)
-
-    def update(self, beats: list[Heartbeat | None]) -> tuple[int, str] | None:
-        now = time.monotonic()
-        for rank, beat in enumerate(beats):
-            if beat is None:
-                continue
-            self.max_step = max(self.max_step, beat.global_step)
-            self.max_step_time = max(self.max_step_time, beat.max_step_time_s)
-            prev = self._last.get(rank)
-            if prev is None or beat.global_step != prev[0] or not beat.in_epoch:
-                self._last[rank] = (beat.global_step, now)
-        limit = self.timeout()
-        stalled = [(now - t, rank) for rank, (_, t) in self._last.items()]
-        silent = [r for r in range(len(beats)) if r not in self._last]
-        if silent and now - self._t0 > limit:
-            return silent[0], f"rank {silent[0]} never answered its heartbeat within {limit:.0f}s"
-        if stalled:
-            age, _rank = max(stalled)
-            if age > limit:
-                lowest = min(self._last.items(), key=lambda kv: kv[1][0])[0]
-                return lowest, (
-                    f"no progress for {age:.0f}s (hang timeout {limit:.0f}s); ranks stuck at step "
-                    f"{ {r: s for r, (s, _) in sorted(self._last.items())} }, lowest rank {lowest}"
-                )
-        return None
 
 
 def _phase_max(infos: list[SetupInfo]) -> dict[str, float]:

@@ -1,0 +1,93 @@
+"""How the driver judges a failure (restart or give up, and after how long) and a hang (a rank whose step
+stopped advancing). Pure logic, tested without processes."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from cluster.config import FailureConfig
+from cluster.errors import Failure
+from cluster.worker import Heartbeat
+
+
+@dataclass(frozen=True)
+class Decision:
+    restart: bool
+    reason: str
+    delay_s: float = 0.0
+
+
+class FailurePolicy:
+    """Restart with exponential backoff until ``max_failures``; the same user error at the same step
+    twice is a bug, not bad luck, and fails at once."""
+
+    def __init__(self, cfg: FailureConfig) -> None:
+        self.cfg = cfg
+
+    def decide(self, failure: Failure, history: list[Failure], streak: int | None = None) -> Decision:
+        """``history`` holds every failure so far, this one last; ``streak`` counts the failures since
+        training last completed an epoch (default: all of them)."""
+        count = len(history)
+        if failure.kind == "user_error" and failure.error is not None:
+            for prev in history[:-1]:
+                if prev.error is not None and prev.error.signature == failure.error.signature:
+                    return Decision(
+                        False,
+                        f"the same {failure.error.exc_type} happened twice at step {failure.error.step}: "
+                        "a bug in the task, not a transient failure",
+                    )
+        if self.cfg.max_failures != -1 and count > self.cfg.max_failures:
+            return Decision(
+                False,
+                f"failures.max_failures={self.cfg.max_failures} exhausted ({count} failures); "
+                "raise it (or -1 for unlimited) to keep retrying",
+            )
+        # The first restart after progress is immediate (like torchrun); repeated failures back off.
+        streak = count if streak is None else streak
+        delay = 0.0 if streak <= 1 else min(self.cfg.backoff_max_s, self.cfg.backoff_s * 2 ** (streak - 2))
+        return Decision(True, f"restart {count}/{self._budget()}", delay)
+
+    def _budget(self) -> str:
+        return "unlimited" if self.cfg.max_failures == -1 else str(self.cfg.max_failures)
+
+
+class HangWatch:
+    """Tracks each rank's step; a rank whose step stops advancing past the hang timeout is hung."""
+
+    def __init__(self, cfg: FailureConfig, start_step: int) -> None:
+        self.cfg = cfg
+        self.max_step = start_step
+        self.max_step_time = 0.0
+        self._last: dict[int, tuple[int, float]] = {}
+        self._t0 = time.monotonic()
+
+    def timeout(self) -> float:
+        if self.cfg.hang_timeout_s is not None:
+            return self.cfg.hang_timeout_s
+        return max(self.cfg.hang_timeout_floor_s, 10 * self.max_step_time)
+
+    def update(self, beats: list[Heartbeat | None]) -> tuple[int, str] | None:
+        now = time.monotonic()
+        for rank, beat in enumerate(beats):
+            if beat is None:
+                continue
+            self.max_step = max(self.max_step, beat.global_step)
+            self.max_step_time = max(self.max_step_time, beat.max_step_time_s)
+            prev = self._last.get(rank)
+            if prev is None or beat.global_step != prev[0] or not beat.in_epoch:
+                self._last[rank] = (beat.global_step, now)
+        limit = self.timeout()
+        stalled = [(now - t, rank) for rank, (_, t) in self._last.items()]
+        silent = [r for r in range(len(beats)) if r not in self._last]
+        if silent and now - self._t0 > limit:
+            return silent[0], f"rank {silent[0]} never answered its heartbeat within {limit:.0f}s"
+        if stalled:
+            age, _rank = max(stalled)
+            if age > limit:
+                lowest = min(self._last.items(), key=lambda kv: kv[1][0])[0]
+                return lowest, (
+                    f"no progress for {age:.0f}s (hang timeout {limit:.0f}s); ranks stuck at step "
+                    f"{ {r: s for r, (s, _) in sorted(self._last.items())} }, lowest rank {lowest}"
+                )
+        return None

@@ -1,0 +1,144 @@
+"""The driver's states. Each carries the data its step needs (a Recovering state holds the failure that
+caused it); :meth:`cluster.driver.Driver._step` takes one and returns the next::
+
+    Starting --> Running --(epoch done)--> Running | Resizing --> Starting | Finishing --> Finished
+        |           |
+        +-----------+--(failure)--> Recovering --> Starting | Failed
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from cluster.errors import Failure
+from cluster.group import Salvage
+from cluster.worker import SetupInfo
+
+
+class State:
+    """A state of the driver. Each carries what its step needs; ``Driver._step`` returns the next one."""
+
+    name: ClassVar[str]
+    is_terminal: ClassVar[bool] = False
+
+    def describe(self) -> str:
+        return self.name
+
+
+@dataclass
+class RecoveryTiming:
+    """The phases of one recovery, from the failure's detection to the first step after it (the
+    ``recovered`` event). Filled in as the recovery goes through Recovering, Starting and Running."""
+
+    kind: str
+    t_detect: float
+    seen_step: int
+    """The highest step any rank had reached when the failure was seen."""
+    t_teardown: float = 0.0
+    reused_workers: int = 0
+    t_reserved: float = 0.0
+    t_ready: float = 0.0
+    resume_step: int = 0
+    actors_s: float = 0.0
+    rendezvous_s: float = 0.0
+    task_s: float = 0.0
+    ddp_s: float = 0.0
+    checkpoint_load_s: float = 0.0
+
+    def group_started(
+        self, t_reserved: float, t_ready: float, infos: list[SetupInfo], resume_step: int
+    ) -> None:
+        self.t_reserved, self.t_ready, self.resume_step = t_reserved, t_ready, resume_step
+        self.actors_s = max(i.timings["start"] for i in infos) - t_reserved
+        self.rendezvous_s = max(i.timings["process_group"] - i.timings["start"] for i in infos)
+        self.task_s = max(i.timings["task"] - i.timings["process_group"] for i in infos)
+        self.ddp_s = max(i.timings["ddp"] - i.timings["task"] for i in infos)
+        self.checkpoint_load_s = max(i.timings["checkpoint_load"] - i.timings["ddp"] for i in infos)
+
+    @property
+    def lost_steps(self) -> int:
+        return max(0, self.seen_step - self.resume_step)
+
+    def phases(self, first_step_at: float) -> dict[str, float]:
+        return {
+            "detect_to_teardown_s": self.t_teardown - self.t_detect,
+            "reserve_s": self.t_reserved - self.t_teardown,
+            "start_and_load_s": self.t_ready - self.t_reserved,
+            "actors_s": self.actors_s,
+            "rendezvous_s": self.rendezvous_s,
+            "task_s": self.task_s,
+            "ddp_s": self.ddp_s,
+            "checkpoint_load_s": self.checkpoint_load_s,
+            "first_step_s": first_step_at - self.t_ready,
+            "detect_to_first_step_s": first_step_at - self.t_detect,
+        }
+
+
+@dataclass(frozen=True)
+class Starting(State):
+    """Reserve resources and start a gang: the first one, after a failure, or a larger one."""
+
+    name: ClassVar[str] = "starting"
+    recovery: RecoveryTiming | None = None
+    salvage: Salvage | None = None
+    """Workers kept from the failed group, for a warm restart."""
+
+
+@dataclass(frozen=True)
+class Running(State):
+    """The gang trains ``epoch`` from ``start_step``; the driver watches its heartbeats."""
+
+    name: ClassVar[str] = "running"
+    epoch: int
+    start_step: int
+    dispatched_at: float | None = None
+    """When the previous epoch's handler already dispatched this epoch (workers do not wait for the driver
+    between epochs); None when this step must dispatch it."""
+    recovery: RecoveryTiming | None = None
+    """Set until the first epoch after a recovery completes and its ``recovered`` event is written."""
+
+    def describe(self) -> str:
+        return f"running epoch {self.epoch} from step {self.start_step}"
+
+
+@dataclass(frozen=True)
+class Recovering(State):
+    """A failure was seen: decide (restart or give up), salvage what can be kept, tear down the rest."""
+
+    name: ClassVar[str] = "recovering"
+    failure: Failure
+    recovery: RecoveryTiming
+
+    def describe(self) -> str:
+        return f"recovering from {self.failure.kind} (rank {self.failure.rank})"
+
+
+@dataclass(frozen=True)
+class Resizing(State):
+    """At an epoch boundary, resources for more workers returned: flush, stop this gang, start a larger
+    one."""
+
+    name: ClassVar[str] = "resizing"
+    new_size: int
+
+
+@dataclass(frozen=True)
+class Finishing(State):
+    """The last epoch is done: flush the last checkpoint and record the end."""
+
+    name: ClassVar[str] = "finishing"
+    loss: float
+
+
+@dataclass(frozen=True)
+class Finished(State):
+    name: ClassVar[str] = "finished"
+    is_terminal: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class Failed(State):
+    name: ClassVar[str] = "failed"
+    is_terminal: ClassVar[bool] = True
+    error: BaseException
