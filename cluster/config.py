@@ -106,10 +106,14 @@ class FaultSpec:
     """Rank that misbehaves."""
     step: int = 1
     """Global step (1-based optimizer step count) at which it misbehaves, before running that step."""
-    kind: Literal["crash", "hang", "raise", "crash_in_checkpoint"] = "crash"
+    kind: Literal[
+        "crash", "hang", "raise", "crash_in_checkpoint", "crash_in_backward", "crash_after_step"
+    ] = "crash"
     """``crash``: the process is SIGKILLed before the step; ``hang``: it stops making progress;
     ``raise``: user code raises RuntimeError; ``crash_in_checkpoint``: rank 0 is SIGKILLed while writing
-    the checkpoint of that step, after its files and before its manifest."""
+    the checkpoint of that step, after its files and before its manifest; ``crash_in_backward``: SIGKILLed
+    in that step's backward pass, while the other ranks wait in its gradient all-reduce;
+    ``crash_after_step``: SIGKILLed right after that step's optimizer update, before the next collective."""
     attempt: int = 0
     """Attempt (0 = first start, 1 = after the first recovery...) on which it fires; -1 = every attempt."""
 
@@ -138,6 +142,13 @@ class FailureConfig:
     first epoch runs. ``auto``: only when a node of the job has at least one worker's CPU share that the
     job does not use, so the spare never slows training; ``true``: always; ``false``: never. Not used
     for GPU jobs (a GPU is bound to its process)."""
+    recover_from_peers: bool = True
+    """After a worker dies or raises, the surviving workers keep their model and optimizer state in memory
+    and one of them sends it to the replacement over the new process group: at most the step in flight is
+    lost and nothing is read from storage. Falls back to the latest verified checkpoint when no healthy
+    survivor is left, the survivors disagree, after a hang or a lost node, or when the state cannot be sent
+    from one rank. ``false``: always resume from the latest checkpoint. Needs ``warm_restart`` (the
+    survivors' processes hold the state)."""
     process_group_timeout_s: float = 300.0
     """Timeout of collectives in the process group (init_process_group ``timeout``)."""
     inject: list[FaultSpec] = field(default_factory=list)

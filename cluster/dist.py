@@ -10,6 +10,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,9 +54,12 @@ def pick_device(use_gpu: bool) -> torch.device:
 def init_process_group(
     store: dist.Store, rank: int, world_size: int, device: torch.device, timeout_s: float
 ) -> str:
-    """nccl on CUDA, gloo on CPU, with an explicit timeout. Returns the backend."""
+    """nccl on CUDA, gloo on CPU, with an explicit timeout. Returns the backend.
+
+    Under gloo it also records the group's TCP connections to its peers (see :func:`sever_peers`)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
+    before = _socket_inodes() if backend == "gloo" else {}
     dist.init_process_group(
         backend,
         store=store,
@@ -63,7 +68,90 @@ def init_process_group(
         timeout=datetime.timedelta(seconds=timeout_s),
         **kwargs,  # type: ignore[arg-type]
     )
+    if backend == "gloo":
+        _record_peer_connections(before)
     return backend
+
+
+# ----------------------------------------------------------------------------- leaving a failed gloo group
+# A gloo collective fails only when a peer's connection closes (or at the process-group timeout). When a rank
+# dies, its neighbours fail at once; but a rank whose collective failed keeps its own connections open for
+# as long as its process group object lives, and DistributedDataParallel keeps that object alive for the
+# life of the process (``destroy_process_group`` and ``ProcessGroup.abort`` do not close them under gloo,
+# torch 2.13). The ranks waiting on that live-but-failed rank would wait until the timeout. So a rank that
+# leaves a failed group shuts down (shutdown(2), not close: the file descriptors stay gloo's) the TCP
+# connections its group opened to its peers: each peer's collective fails at once, it leaves in turn, and
+# the failure reaches every rank in milliseconds, with every process and its memory intact.
+_peer_connections: dict[int, int] = {}  # fd -> socket inode, of the current gloo group's peer connections
+
+
+def _socket_inodes() -> dict[int, int]:
+    out: dict[int, int] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:  # not Linux: nothing recorded, nothing severed (the timeout still applies)
+        return out
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            out[int(name)] = int(target[8:-1])
+    return out
+
+
+def _tcp_table() -> dict[int, tuple[str, int, int]]:
+    """socket inode -> (TCP state as in /proc/net/tcp: 01 established, 0A listening; local port; remote
+    port)."""
+    out: dict[int, tuple[str, int, int]] = {}
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as fh:
+                next(fh)
+                for line in fh:
+                    parts = line.split()
+                    local, remote = parts[1].rsplit(":", 1)[1], parts[2].rsplit(":", 1)[1]
+                    out[int(parts[9])] = (parts[3], int(local, 16), int(remote, 16))
+        except OSError:
+            continue
+    return out
+
+
+def _record_peer_connections(before: dict[int, int]) -> None:
+    """Find the group's peer connections among the sockets that appeared while it was created: gloo's
+    listener is the new listening socket of each rank, and a peer connection is one accepted on this rank's
+    listener or made to a peer's (the ports are exchanged once, here). Other sockets that other threads
+    opened meanwhile (Ray's) match neither and are never touched."""
+    table = _tcp_table()
+    new = {fd: inode for fd, inode in _socket_inodes().items() if before.get(fd) != inode}
+    mine = sorted({table[i][1] for i in new.values() if i in table and table[i][0] == "0A"})
+    ports: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ports, mine)
+    theirs = {p for i, rank_ports in enumerate(ports) if i != dist.get_rank() for p in rank_ports}
+    _peer_connections.clear()
+    for fd, inode in new.items():
+        state, local, remote = table.get(inode, ("", 0, 0))
+        if state == "01" and (local in mine or remote in theirs):
+            _peer_connections[fd] = inode
+
+
+def sever_peers() -> int:
+    """Shut down this process's connections of the current gloo group (still the same sockets); return how
+    many. Blocked collectives on both ends fail at once."""
+    now = _socket_inodes()
+    count = 0
+    for fd, inode in list(_peer_connections.items()):
+        if now.get(fd) != inode:
+            continue  # closed, and the number reused for something else: not ours to touch
+        try:
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+            count += 1
+        except OSError as exc:
+            logger.debug("shutdown of gloo connection fd %d: %s", fd, exc)
+    _peer_connections.clear()
+    return count
 
 
 def destroy_process_group() -> None:

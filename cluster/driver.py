@@ -44,6 +44,7 @@ from cluster.errors import (
 )
 from cluster.group import GroupFactory, Salvage, WorkerGroup
 from cluster.metrics import EventLog, ProgressDisplay, write_metrics
+from cluster.peer import PeerPlan, plan_recovery
 from cluster.policy import Decision, FailurePolicy, HangWatch
 from cluster.states import (
     Failed,
@@ -135,6 +136,7 @@ class Driver:
         self._probe_token: str | None = None
         self._streak = 0  # failures since the last completed epoch
         self._spare_announced = False  # the current group's hot spare was reported ready
+        self._rows: list[dict[str, Any]] = []  # rank 0's step rows streamed by heartbeats, not yet written
 
     # ------------------------------------------------------------------ public
     def run(self) -> Result:
@@ -250,7 +252,7 @@ class Driver:
             )
             self._print(f"continuing with {n}/{target} workers (scaling.min_workers={minimum})")
         try:
-            infos = group.start(n)
+            infos = group.start(n, s.peers)
         except (ConfigError, StorageError):
             # e.g. workers import other code than the driver, or cannot see its storage (after the retry
             # budget): retrying cannot help
@@ -282,6 +284,7 @@ class Driver:
             resume_epoch=r.epoch,
             resume_checkpoint=r.checkpoint_url,
             resume_world_size=r.world_size,
+            resume_source=r.source,
             pids=[i.pid for i in infos],
             nodes=[i.node_id for i in infos],
             hosts=sorted({i.hostname for i in infos}),
@@ -302,6 +305,8 @@ class Driver:
             if r.global_step
             else "fresh"
         )
+        if r.source == "peers":
+            where += f", state from rank {r.peer_source}'s memory"
         self._print(
             f"[{cfg.name}] attempt {self.attempt}: {n} workers ({head.backend}) ready in "
             f"{t_ready - t0:.1f}s, starting {where}"
@@ -320,11 +325,11 @@ class Driver:
                 results = group.poll(self._heartbeat_every(watch))
             except Exception as exc:
                 failure = group.classify(exc)
-                watch.update(group.heartbeats(timeout=0.5))  # survivors know how far training got
+                watch.update(self._beats(timeout=0.5))  # survivors know how far training got
                 return self._on_failure(failure, watch.max_step)
             if results is not None:
                 return self._epoch_done(s, results, time.time() - t_epoch)
-            hung = watch.update(group.heartbeats())
+            hung = watch.update(self._beats())
             self._announce_spare()
             self._display.live(watch.max_step, self.cfg.training.global_batch_size)
             if hung is not None:
@@ -372,7 +377,8 @@ class Driver:
             "lr": head.step_rows[-1]["lr"] if head.step_rows else None,
             **{f"m_{k}": v for k, v in head.metrics.items()},
         }
-        rows = [{"kind": "step", **r} for r in head.step_rows] + [epoch_row]
+        step_rows, self._rows = self._rows + head.step_rows, []
+        rows = [{"kind": "step", **r} for r in step_rows] + [epoch_row]
         write_metrics(self.storage, rows, head.epoch, self.attempt)
         for c in head.commits:
             self._commit_event(c)
@@ -452,16 +458,25 @@ class Driver:
         decision = self.policy.decide(failure, self.failures, self._streak)
         salvage: Salvage | None = None
         if self.group is not None:
-            # Workers still in a collective are killed at once (never wait for the process-group
-            # timeout); idle healthy ones may be kept for a warm restart.
+            # Survivors leave the failed collective (bounded wait) and are kept for a warm restart, with
+            # their state when recovering from peers; the dead, the hung and the stuck are killed.
             salvage = self.group.salvage(failure, self.attempt + 1) if decision.restart else None
             if salvage is None:
                 self.group.shutdown(graceful=False)
             timing.reused_workers = salvage.count if salvage is not None else 0
             self.group = None
         timing.t_teardown = time.time()
+        self._flush_rows(salvage.rows if salvage is not None else [])
+        plan = self._peer_plan(failure, salvage, timing) if decision.restart else None
         self.events.append(
-            "decision", restart=decision.restart, reason=decision.reason, delay_s=decision.delay_s
+            "decision",
+            restart=decision.restart,
+            reason=decision.reason,
+            delay_s=decision.delay_s,
+            source=None if not decision.restart else "peers" if plan is not None else "checkpoint",
+            fallback=timing.fallback or None,
+            peer_source=plan.source if plan is not None else None,
+            peer_step=plan.global_step if plan is not None else None,
         )
         if not decision.restart:
             detail = failure.error.traceback if failure.error is not None else failure.message
@@ -472,10 +487,51 @@ class Driver:
                     f"{self.run_url}/checkpoints; rerun the same job to resume."
                 )
             )
-        self._print(f"recovering ({decision.reason}) in {decision.delay_s:.1f}s")
+        source = (
+            f"from rank {plan.source}'s memory at step {plan.global_step}"
+            if plan is not None
+            else "from the latest checkpoint" + (f" ({timing.fallback})" if timing.fallback else "")
+        )
+        self._print(f"recovering ({decision.reason}) in {decision.delay_s:.1f}s, {source}")
         time.sleep(decision.delay_s)
         self.attempt += 1
-        return Starting(recovery=timing, salvage=salvage)
+        return Starting(recovery=timing, salvage=salvage, peers=plan)
+
+    def _peer_plan(
+        self, failure: Failure, salvage: Salvage | None, timing: RecoveryTiming
+    ) -> PeerPlan | None:
+        """Whom to copy the state from, or None (checkpoint) with the reason in ``timing.fallback``."""
+        if not self.cfg.failures.recover_from_peers:
+            return None
+        if failure.kind == "hang":
+            timing.fallback = "a hang: the hung rank's memory is not trusted"
+        elif failure.kind == "node_lost":
+            timing.fallback = "a node was lost: its ranks' processes are gone with it"
+        elif salvage is None or salvage.peers is None:
+            timing.fallback = "no survivor could be kept"
+        else:
+            plan = plan_recovery(salvage.peers)
+            if isinstance(plan, PeerPlan):
+                return plan
+            timing.fallback = plan
+        if failure.kind not in ("hang", "node_lost") and not self.cfg.failures.warm_restart:
+            timing.fallback = "failures.warm_restart is off: no survivor keeps its process"
+        return None
+
+    def _beats(self, timeout: float = 2.0) -> list[Any]:
+        """One heartbeat round; keeps the step rows rank 0 streams with it."""
+        assert self.group is not None
+        beats = self.group.heartbeats(timeout=timeout)
+        for b in beats:
+            if b is not None and b.rows:
+                self._rows.extend(b.rows)
+        return beats
+
+    def _flush_rows(self, more: list[dict[str, Any]]) -> None:
+        """After a failure: write every step row rank 0 logged before it (nothing recorded is lost)."""
+        rows, self._rows = self._rows + more, []
+        if rows:
+            write_metrics(self.storage, [{"kind": "step", **r} for r in rows], self.epoch, self.attempt)
 
     def _fail(self, exc: BaseException) -> Failed:
         self.events.append("run_failed", error=str(exc)[:4000])
@@ -505,13 +561,21 @@ class Driver:
         self.events.append(
             "recovered",
             kind=timing.kind,
+            source=timing.source,
+            fallback=timing.fallback or None,
+            resume_step=timing.resume_step,
             lost_steps=timing.lost_steps,
+            bytes=timing.nbytes,
+            storage_reads=timing.storage_reads,
+            storage_read_bytes=timing.storage_read_bytes,
             reused_workers=timing.reused_workers,
             **{k: round(v, 3) for k, v in phases.items()},
         )
         self._print(
-            f"recovered from {timing.kind}: first step {phases['detect_to_first_step_s']:.1f}s after "
-            f"detection, {timing.lost_steps} steps of work lost"
+            f"recovered from {timing.kind} ({timing.source}): first step "
+            f"{phases['detect_to_first_step_s']:.1f}s after detection, {timing.lost_steps} steps of work "
+            "lost, "
+            f"{_fmt_bytes(timing.nbytes)} of state moved in {timing.transfer_s:.2f}s"
         )
 
     def _commit_event(self, c: CommitRecord) -> None:
@@ -552,6 +616,15 @@ class Driver:
             world_size=self.world_size,
             error=str(error) if error is not None else None,
         )
+
+
+def _fmt_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
 
 
 def _phase_max(infos: list[SetupInfo]) -> dict[str, float]:

@@ -5,12 +5,13 @@ implement it with a script (``tests/unit/test_driver.py``)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from cluster.checkpoint import CommitRecord
 from cluster.config import JobConfig
 from cluster.errors import Failure
+from cluster.peer import PeerPlan, PeerState
 from cluster.worker import EpochResult, Heartbeat, SetupInfo
 
 
@@ -24,6 +25,10 @@ class Salvage:
     resources: Any
     actors: dict[int, Any]
     """rank -> worker, already reset to that rank of the next group."""
+    peers: dict[int, PeerState] | None = None
+    """rank -> what that survivor kept in memory (``failures.recover_from_peers``); None when off."""
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    """Rank 0's step rows that had not reached the driver when the group failed."""
 
     @property
     def count(self) -> int:
@@ -42,8 +47,9 @@ class WorkerGroup(Protocol):
         return how many. Raises ResourcesUnavailableError."""
         ...
 
-    def start(self, world_size: int) -> list[SetupInfo]:
-        """Start (or adopt) the workers, rendezvous, set up every rank; one SetupInfo per rank, rank order."""
+    def start(self, world_size: int, peers: PeerPlan | None = None) -> list[SetupInfo]:
+        """Start (or adopt) the workers, rendezvous, set up every rank; one SetupInfo per rank, rank order.
+        With a peer plan, rank ``peers.source`` sends its state to the others instead of a checkpoint load."""
         ...
 
     def run_epoch(self, epoch: int, start_step: int) -> None:

@@ -13,6 +13,7 @@ from typing import ClassVar
 
 from cluster.errors import Failure
 from cluster.group import Salvage
+from cluster.peer import PeerPlan
 from cluster.worker import SetupInfo
 
 
@@ -45,6 +46,17 @@ class RecoveryTiming:
     task_s: float = 0.0
     ddp_s: float = 0.0
     checkpoint_load_s: float = 0.0
+    source: str = "checkpoint"
+    """Where the state came from: ``peers`` (a survivor's memory) or ``checkpoint`` (storage)."""
+    fallback: str = ""
+    """Why the survivors' state was not used (empty on the peer path, or when recover_from_peers is off)."""
+    nbytes: int = 0
+    """Bytes of state moved to the ranks: received from the peer, or read from storage (all ranks)."""
+    transfer_s: float = 0.0
+    """Seconds of the slowest rank's state transfer: the broadcast from the peer, or the checkpoint load."""
+    storage_reads: int = 0
+    """Files the ranks read from storage while starting (0 on the peer path)."""
+    storage_read_bytes: int = 0
 
     def group_started(
         self, t_reserved: float, t_ready: float, infos: list[SetupInfo], resume_step: int
@@ -53,8 +65,17 @@ class RecoveryTiming:
         self.actors_s = max(i.timings["start"] for i in infos) - t_reserved
         self.rendezvous_s = max(i.timings["process_group"] - i.timings["start"] for i in infos)
         self.task_s = max(i.timings["task"] - i.timings["process_group"] for i in infos)
-        self.ddp_s = max(i.timings["ddp"] - i.timings["task"] for i in infos)
-        self.checkpoint_load_s = max(i.timings["checkpoint_load"] - i.timings["ddp"] for i in infos)
+        before_ddp = "peer_transfer" if "peer_transfer" in infos[0].timings else "task"
+        self.ddp_s = max(i.timings["ddp"] - i.timings[before_ddp] for i in infos)
+        self.checkpoint_load_s = max(
+            i.timings.get("checkpoint_load", i.timings["ddp"]) - i.timings["ddp"] for i in infos
+        )
+        self.source = infos[0].resume.source
+        self.nbytes = sum(i.resume.nbytes for i in infos)
+        receivers = [i for i in infos if i.rank != i.resume.peer_source] or infos
+        self.transfer_s = max(i.resume.transfer_s for i in receivers)  # the source's includes its wait
+        self.storage_reads = sum(i.storage_reads for i in infos)
+        self.storage_read_bytes = sum(i.storage_read_bytes for i in infos)
 
     @property
     def lost_steps(self) -> int:
@@ -70,6 +91,7 @@ class RecoveryTiming:
             "task_s": self.task_s,
             "ddp_s": self.ddp_s,
             "checkpoint_load_s": self.checkpoint_load_s,
+            "transfer_s": self.transfer_s,
             "first_step_s": first_step_at - self.t_ready,
             "detect_to_first_step_s": first_step_at - self.t_detect,
         }
@@ -83,6 +105,13 @@ class Starting(State):
     recovery: RecoveryTiming | None = None
     salvage: Salvage | None = None
     """Workers kept from the failed group, for a warm restart."""
+    peers: PeerPlan | None = None
+    """Take the state from this survivor over the new process group instead of from a checkpoint."""
+
+    def describe(self) -> str:
+        if self.peers is not None:
+            return f"starting from rank {self.peers.source}'s state at step {self.peers.global_step}"
+        return "starting from the latest checkpoint" if self.recovery is not None else "starting"
 
 
 @dataclass(frozen=True)

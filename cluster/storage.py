@@ -120,6 +120,9 @@ class Storage:
             ) from None
         self.fs: fsspec.AbstractFileSystem = fs
         self.path: str = path.rstrip("/") or "/"
+        self.reads = 0
+        """Files read through this object (``read_bytes``), and their bytes: what a recovery read."""
+        self.bytes_read = 0
 
     def url(self, rel: str = "") -> str:
         return join(self.root, check_relative(rel)) if rel else self.root
@@ -188,7 +191,10 @@ class Storage:
             self.write_bytes(rel, data)
 
     def read_bytes(self, rel: str) -> bytes:
-        return self.retry(f"reading {self.url(rel)}", lambda: self.fs.cat_file(self._p(rel)))
+        data: bytes = self.retry(f"reading {self.url(rel)}", lambda: self.fs.cat_file(self._p(rel)))
+        self.reads += 1
+        self.bytes_read += len(data)
+        return data
 
     def exists(self, rel: str) -> bool:
         return bool(self.retry(f"checking {self.url(rel)}", lambda: self.fs.exists(self._p(rel))))

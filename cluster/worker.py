@@ -15,11 +15,13 @@ the same world size.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -33,11 +35,14 @@ from cluster.checkpoint import CheckpointStore, CheckpointWriter, CommitRecord, 
 from cluster.config import FaultSpec, JobConfig, parse_fault_env
 from cluster.data import ResumableDistributedSampler, fetch_batch
 from cluster.errors import CheckpointError, WorkerError
+from cluster.peer import PeerPlan, PeerState, broadcast_state, state_digest
 from cluster.process import set_niceness, tune_process
 from cluster.storage import PROBE_ENV, Storage, check_probe
 from cluster.task import StepInfo, Task, build_task
 
 Scheduler = torch.optim.lr_scheduler.LRScheduler
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -99,6 +104,14 @@ class ResumePoint:
     """The checkpoint loaded (its step folder), or None for a fresh start."""
     world_size: int | None = None
     """The world size of the group that wrote that checkpoint."""
+    source: str = "fresh"
+    """Where the state came from: ``fresh``, ``checkpoint`` (storage) or ``peers`` (a survivor's memory)."""
+    peer_source: int | None = None
+    """The rank that sent the state (``peers`` only)."""
+    nbytes: int = 0
+    """Bytes of state this rank received (from storage or from a peer); 0 for the peer that sent it."""
+    transfer_s: float = 0.0
+    """Seconds the state took to arrive (checkpoint read and load, or the broadcast from the peer)."""
 
 
 @dataclass
@@ -114,14 +127,17 @@ class SetupInfo:
     resume: ResumePoint
     skipped_checkpoints: list[tuple[int, str]]
     timings: dict[str, float]
-    """Unix time at the end of each setup phase, in order (start, process_group, task, ddp, checkpoint_load,
-    ready)."""
+    """Unix time at the end of each setup phase, in order: start, process_group, task, then ddp and
+    checkpoint_load (from storage) or peer_transfer and ddp (from peers), then ready."""
     node_id: str = ""
     """The Ray node the rank runs on (filled in by the Ray worker group)."""
     allocator: str = "system"
     """``tuned`` where scaling.tune_allocator took effect, else ``system`` or why not."""
     niceness: str = ""
     """The rank's scheduling niceness after scaling.worker_niceness, or why it could not be set."""
+    storage_reads: int = 0
+    """Files this rank read from the run's storage during setup (manifests and checkpoint files)."""
+    storage_read_bytes: int = 0
 
 
 @dataclass
@@ -168,6 +184,9 @@ class Heartbeat:
     last_step_at: float
     max_step_time_s: float
     in_epoch: bool
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    """Rank 0's per-step metric rows logged since its previous heartbeat (streamed, so that a failure loses
+    none of them); empty on other ranks."""
 
 
 def _step_seed(seed: int, step: int, rank: int) -> int:
@@ -189,6 +208,8 @@ class Worker:
         self._max_step_time = 0.0
         self._in_epoch = False
         self._store: dist.TCPStore | None = None
+        self._rows: deque[dict[str, Any]] = deque()  # rank 0's step rows not yet handed to the driver
+        self._kept: TrainSession | None = None  # a survivor's session after its group failed (peer recovery)
         self._task: Task | None = None
         self._dataset: Any = None
         self.faults = self._faults()
@@ -220,10 +241,16 @@ class Worker:
         self._store, port = cdist.bind_store(self.world_size, self.cfg.failures.process_group_timeout_s)
         return port
 
-    def setup(self, host: str, port: int) -> TrainSession:
-        """Join the process group, build model and optimizer, load the newest verified checkpoint."""
+    def setup(self, host: str, port: int, peers: PeerPlan | None = None) -> TrainSession:
+        """Join the process group, build (or keep) model and optimizer, and take the state to resume from:
+        from rank ``peers.source`` over the new group when a peer plan is given (a survivor keeps its own
+        model and optimizer), else from the newest verified checkpoint."""
         t = {"start": time.time()}
         cfg = self.cfg
+        kept, self._kept = self._kept, None
+        if peers is None and kept is not None:
+            self._discard(kept)  # the driver chose the checkpoint: the survivor's state is not used
+            kept = None
         if os.environ.get(PROBE_ENV):  # set by the driver: prove this node sees the driver's storage
             check_probe(Storage(self.run_url, cfg.storage.options), os.environ[PROBE_ENV])
         device = cdist.pick_device(cfg.scaling.use_gpu)
@@ -236,8 +263,11 @@ class Worker:
         t["process_group"] = time.time()
 
         task, dataset = self.task, self.dataset  # a warm restart keeps both
-        torch.manual_seed(cfg.training.seed)  # identical init on every rank (DDP also broadcasts rank 0's)
-        raw_model = task.build_model().to(device)
+        if kept is not None:
+            raw_model, optimizer, scheduler = kept.raw_model, kept.optimizer, kept.scheduler
+        else:
+            torch.manual_seed(cfg.training.seed)  # the same init on every rank (DDP broadcasts rank 0's too)
+            raw_model = task.build_model().to(device)
         t["task"] = time.time()
 
         sampler = ResumableDistributedSampler(
@@ -248,20 +278,32 @@ class Worker:
             seed=cfg.training.seed,
             max_steps_per_epoch=cfg.training.max_steps_per_epoch,
         )
-        model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None)
-        optimizer = task.build_optimizer(raw_model)
-        scheduler = task.build_scheduler(optimizer, sampler.steps_per_epoch * cfg.training.epochs)
-        t["ddp"] = time.time()
-
         ckpt_store = CheckpointStore(Storage(self.run_url, cfg.storage.options))
         crash_steps = {f.step for f in self.faults if f.kind == "crash_in_checkpoint"}
         if crash_steps:
             ckpt_store = _CrashingStore(ckpt_store.storage, crash_steps)
-        resume, skipped = self._resume(ckpt_store, raw_model, optimizer, scheduler)
-        t["checkpoint_load"] = time.time()
-        writer = None
-        if self.rank == 0:
+        skipped: list[tuple[int, str]] = []
+        if peers is not None:
+            if kept is None:
+                optimizer = task.build_optimizer(raw_model)
+                scheduler = task.build_scheduler(optimizer, sampler.steps_per_epoch * cfg.training.epochs)
+            resume = self._receive(peers, device, raw_model, optimizer, scheduler)
+            t["peer_transfer"] = time.time()
+            model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None)
+            t["ddp"] = time.time()
+        else:
+            model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None)
+            optimizer = task.build_optimizer(raw_model)
+            scheduler = task.build_scheduler(optimizer, sampler.steps_per_epoch * cfg.training.epochs)
+            t["ddp"] = time.time()
+            resume, skipped = self._resume(ckpt_store, raw_model, optimizer, scheduler)
+            t["checkpoint_load"] = time.time()
+        writer = kept.writer if kept is not None else None  # rank 0's upload in flight carries on
+        if self.rank == 0 and writer is None:
             writer = CheckpointWriter(ckpt_store, cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
+        elif self.rank != 0 and writer is not None:
+            writer.close(flush=True)
+            writer = None
         dist.barrier()
         t["ready"] = time.time()
         self._last_step_at = time.time()
@@ -277,11 +319,137 @@ class Worker:
             timings=t,
             allocator=self.allocator,
             niceness=set_niceness(cfg.scaling.worker_niceness),  # again: the group made its threads
+            storage_reads=ckpt_store.storage.reads,
+            storage_read_bytes=ckpt_store.storage.bytes_read,
         )
         self.session = TrainSession(
             device, backend, model, raw_model, optimizer, scheduler, sampler, ckpt_store, writer, info
         )
         return self.session
+
+    # ----------------------------------------------------------------- recovery from peers
+    def _payload(self, raw_model: nn.Module, state: TrainState) -> dict[str, Any]:
+        """What a peer sends: exactly what a checkpoint holds (``model.pt`` and ``train_state.pt``)."""
+        return {"model": raw_model.state_dict(), "train_state": state.state_dict()}
+
+    def _receive(
+        self,
+        plan: PeerPlan,
+        device: torch.device,
+        raw_model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Scheduler | None,
+    ) -> ResumePoint:
+        """Every rank of the new group: rank ``plan.source`` broadcasts its state, the ranks that do not hold
+        it load it, and every rank checks it now holds the state the plan names."""
+        holder = self.rank in plan.holders
+        mine = None
+        if self.rank == plan.source:
+            mine = self._payload(raw_model, self._train_state_of(optimizer, scheduler))
+        payload, moved = broadcast_state(mine, plan.source, device)
+        ts = TrainState.from_state_dict(payload["train_state"], f"the state sent by rank {plan.source}")
+        if not holder:
+            raw_model.load_state_dict(payload["model"])
+            optimizer.load_state_dict(ts.optimizer)
+            if scheduler is not None and ts.scheduler is not None:
+                scheduler.load_state_dict(ts.scheduler)
+        self.global_step, self.epoch, self.step_in_epoch = ts.global_step, ts.epoch, ts.step_in_epoch
+        digest, _ = state_digest(self._payload(raw_model, self._train_state_of(optimizer, scheduler)))
+        if digest != plan.digest:
+            raise RuntimeError(
+                f"rank {self.rank} holds state {digest[:12]} after the transfer from rank {plan.source}, "
+                f"which reported {plan.digest[:12]}: the peer copy is not exact"
+            )
+        return ResumePoint(
+            ts.global_step,
+            ts.epoch,
+            ts.step_in_epoch,
+            None,
+            ts.world_size,
+            source="peers",
+            peer_source=plan.source,
+            nbytes=0 if self.rank == plan.source else moved.nbytes,
+            transfer_s=moved.seconds,
+        )
+
+    def _train_state_of(self, optimizer: torch.optim.Optimizer, scheduler: Scheduler | None) -> TrainState:
+        return TrainState(
+            global_step=self.global_step,
+            epoch=self.epoch,
+            step_in_epoch=self.step_in_epoch,
+            world_size=self.world_size,
+            seed=self.cfg.training.seed,
+            optimizer=optimizer.state_dict(),
+            scheduler=scheduler.state_dict() if scheduler is not None else None,
+        )
+
+    def release(self, rank: int, world_size: int, attempt: int) -> PeerState | None:
+        """A survivor after its group failed: leave the process group, keep model, optimizer, scheduler and
+        position in memory, take rank ``rank`` of the next group, and report what it holds. None when it
+        holds no session (it never finished setup)."""
+        s = self.session
+        self._leave_group()
+        if s is None:
+            self.reset(rank, world_size, attempt)
+            return None
+        state = self.train_state(s)  # at an epoch's end this points at the next epoch
+        self.epoch, self.step_in_epoch = state.epoch, state.step_in_epoch
+        s.optimizer.zero_grad(set_to_none=True)  # gradients of a step that did not complete
+        self.session = None
+        s.model = None  # type: ignore[assignment]  # the failed group's DDP reducer; a new one wraps next
+        self._kept = s
+        self.rank, self.world_size, self.attempt = rank, world_size, attempt
+        self._store = None
+        self._max_step_time = 0.0
+        self._last_step_at = time.time()
+        self.faults = self._faults()
+        digest, nbytes = state_digest(self._payload(s.raw_model, state))
+        return PeerState(
+            rank=rank,
+            global_step=state.global_step,
+            epoch=state.epoch,
+            step_in_epoch=state.step_in_epoch,
+            digest=digest,
+            nbytes=nbytes,
+            unsendable=_unsendable(s.optimizer),
+        )
+
+    def abort(self) -> bool:
+        """From another thread, while the training thread may be blocked in a collective whose peer is
+        gone: abort the process group so that the collective returns with an error. NCCL supports this;
+        for gloo it is not needed (a dead peer's closed sockets fail the collective at once, and a rank
+        that fails destroys its group, which fails its neighbours in turn). Returns whether it aborted."""
+        if self.session is None or self.session.backend != "nccl" or not dist.is_initialized():
+            return False
+        group = dist.group.WORLD
+        if group is None:
+            return False
+        group.abort()
+        return True
+
+    def _leave_group(self) -> None:
+        """Leave the process group at once after a failure, on the training thread, so that peers blocked on
+        this rank fail now, not at the process-group timeout: NCCL aborts its communicators; under gloo this
+        rank's peer connections are shut down (``cluster.dist.sever_peers`` says why)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        s = self.session
+        if s is not None and s.backend == "nccl":
+            group = dist.group.WORLD
+            if group is not None:
+                try:
+                    group.abort()
+                except RuntimeError as exc:
+                    logger.warning("aborting the process group failed: %s", exc)
+        else:
+            cdist.sever_peers()
+        if s is not None:
+            s.model = None  # type: ignore[assignment]  # the failed group's DDP; a new one wraps next time
+        cdist.destroy_process_group()
+
+    def _discard(self, kept: TrainSession) -> None:
+        if kept.writer is not None:
+            kept.writer.close(flush=True)  # commit the checkpoint in flight: the fallback may use it
 
     def _resume(
         self,
@@ -291,14 +459,19 @@ class Worker:
         scheduler: Scheduler | None,
     ) -> tuple[ResumePoint, list[tuple[int, str]]]:
         """Rank 0 picks the newest verified checkpoint; every rank loads that one step."""
-        choice: list[Any] = [None, []]
+        t0 = time.perf_counter()
+        choice: list[Any] = [None, [], 0]
         files: dict[str, Any] | None = None
         if self.rank == 0:
             loaded = store.load_latest()  # records what it passed over in store.last_skipped
-            choice = [loaded.info.step if loaded else None, list(store.last_skipped)]
+            choice = [
+                loaded.info.step if loaded else None,
+                list(store.last_skipped),
+                loaded.info.total_bytes if loaded else 0,
+            ]
             files = loaded.files if loaded else None
         dist.broadcast_object_list(choice, src=0)
-        step, skipped = choice
+        step, skipped, nbytes = choice
         if step is None:
             return ResumePoint(0, 0, 0, None), skipped
         if files is None:
@@ -316,7 +489,14 @@ class Worker:
             scheduler.load_state_dict(state.scheduler)
         self.global_step, self.epoch, self.step_in_epoch = state.global_step, state.epoch, state.step_in_epoch
         return ResumePoint(
-            state.global_step, state.epoch, state.step_in_epoch, url, state.world_size
+            state.global_step,
+            state.epoch,
+            state.step_in_epoch,
+            url,
+            state.world_size,
+            source="checkpoint",
+            nbytes=int(nbytes),
+            transfer_s=time.perf_counter() - t0,
         ), skipped
 
     def _session(self) -> TrainSession:
@@ -329,14 +509,16 @@ class Worker:
         """Train epoch ``epoch`` from step ``start_step`` to its end; checkpoint as configured."""
         try:
             return self._run_epoch(self._session(), epoch, start_step)
-        except WorkerError:
-            raise
+        except WorkerError as exc:
+            err = exc.with_traceback(None)
         except Exception as exc:
-            raise WorkerError(
+            err = WorkerError(
                 self.rank, self.global_step + 1, type(exc).__name__, str(exc), traceback.format_exc()
-            ) from None
+            )
         finally:
             self._in_epoch = False
+        self._leave_group()  # peers blocked on this rank fail now, not at the process-group timeout
+        raise err
 
     def _run_epoch(self, s: TrainSession, epoch: int, start_step: int) -> EpochResult:
         tcfg = self.cfg.training
@@ -346,7 +528,6 @@ class Worker:
         s.model.train()
         self._in_epoch = True
         self._last_step_at = time.time()
-        rows: list[dict[str, Any]] = []
         loss_sum = torch.zeros((), dtype=torch.float64)
         metric_sums: dict[str, Any] = {}
         t_epoch = time.perf_counter()
@@ -377,7 +558,7 @@ class Worker:
             if self._checkpoint_due_at_step(s):
                 stall = self._checkpoint(s)
             if self.rank == 0 and (self.global_step % tcfg.log_every_steps == 0 or stall):
-                rows.append(self._step_row(s, loss, metrics, dt, stall, now))
+                self._rows.append(self._step_row(s, loss, metrics, dt, stall, now))
         if self._checkpoint_due_at_epoch_end(epoch):
             self._checkpoint(s)
         # One collective per epoch for the reported loss; nothing per step.
@@ -395,7 +576,7 @@ class Worker:
             loss=mean_loss,
             seconds=time.perf_counter() - t_epoch,
             first_step_at=first_step_at,
-            step_rows=rows,
+            step_rows=self._drain_rows(),
             commits=s.writer.drain() if s.writer else [],
             metrics={k: float(v) / max(steps, 1) for k, v in metric_sums.items()},
         )
@@ -412,6 +593,10 @@ class Worker:
         tcfg = self.cfg.training
         chunks = [c for c in torch.tensor_split(local_idx, tcfg.grad_accum_steps) if len(c)]
         total = torch.zeros((), dtype=torch.float64)
+        if self._fault_now("crash_in_backward"):
+            # the first parameter's gradient comes last in backward: the other ranks are in the all-reduce
+            first = next(s.raw_model.parameters())
+            first.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
         metrics: dict[str, Any] = {}
         for i, chunk in enumerate(chunks):
             batch = self.task.move_to_device(fetch_batch(self.dataset, chunk), s.device)
@@ -430,6 +615,8 @@ class Worker:
         s.optimizer.zero_grad(set_to_none=True)
         if s.scheduler is not None:
             s.scheduler.step()
+        if self._fault_now("crash_after_step"):
+            os.kill(os.getpid(), signal.SIGKILL)
         return total / len(local_idx), metrics
 
     def _autocast(self, s: TrainSession) -> contextlib.AbstractContextManager[Any]:
@@ -505,10 +692,14 @@ class Worker:
         return stall
 
     # ----------------------------------------------------------------- faults, heartbeat, teardown
+    def _fault_now(self, kind: str) -> bool:
+        """Whether a fault of ``kind`` is due in the step running now."""
+        return any(f.kind == kind and f.step == self.global_step + 1 for f in self.faults)
+
     def _maybe_inject_fault(self) -> None:
         next_step = self.global_step + 1
         for fault in self.faults:
-            if fault.step != next_step or fault.kind == "crash_in_checkpoint":
+            if fault.step != next_step or fault.kind not in ("crash", "hang", "raise"):
                 continue
             if fault.kind == "crash":
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -519,7 +710,24 @@ class Worker:
                 raise RuntimeError(f"injected fault on rank {self.rank} at step {next_step}")
 
     def heartbeat(self) -> Heartbeat:
-        return Heartbeat(self.rank, self.global_step, self._last_step_at, self._max_step_time, self._in_epoch)
+        return Heartbeat(
+            self.rank,
+            self.global_step,
+            self._last_step_at,
+            self._max_step_time,
+            self._in_epoch,
+            rows=self._drain_rows(),
+        )
+
+    def _drain_rows(self) -> list[dict[str, Any]]:
+        """Rank 0's buffered step rows, oldest first (thread-safe: the training thread appends while the
+        heartbeat thread drains)."""
+        out = []
+        while True:
+            try:
+                out.append(self._rows.popleft())
+            except IndexError:
+                return out
 
     def finish(self) -> list[CommitRecord]:
         """Flush the checkpoint in flight; return the commit records not yet reported."""
@@ -547,6 +755,9 @@ class Worker:
         dataset. Only valid once ``run_epoch`` has returned (a worker blocked in a collective must be
         killed)."""
         self.shutdown()
+        if self._kept is not None:
+            self._discard(self._kept)
+            self._kept = None
         self.session = None
         self._store = None
         self.rank, self.world_size, self.attempt = rank, world_size, attempt
@@ -554,6 +765,15 @@ class Worker:
         self._max_step_time = 0.0
         self._last_step_at = time.time()
         self.faults = self._faults()
+
+
+def _unsendable(optimizer: torch.optim.Optimizer) -> str:
+    """Why one rank's optimizer state is not the whole state (so peers cannot send it); "" when it is."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return "ZeroRedundancyOptimizer shards the optimizer state across ranks"
+    return ""
 
 
 def _extra_metrics(extra: Any) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from cluster.checkpoint import CommitRecord
 from cluster.config import JobConfig
 from cluster.errors import ConfigError, Failure, ResourcesUnavailableError, WorkerError
 from cluster.group import Salvage
+from cluster.peer import PeerPlan, PeerState
 from cluster.process import worker_env
 from cluster.worker import EpochResult, Heartbeat, SetupInfo, Worker
 
@@ -45,8 +46,8 @@ class _WorkerActor:
     def bind_store(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), self.worker.bind_store()
 
-    def setup(self, host: str, port: int) -> SetupInfo:
-        return self.worker.setup(host, port).info
+    def setup(self, host: str, port: int, peers: PeerPlan | None = None) -> SetupInfo:
+        return self.worker.setup(host, port, peers).info
 
     def run_epoch(self, epoch: int, start_step: int) -> EpochResult:
         return self.worker.run_epoch(epoch, start_step)
@@ -62,6 +63,12 @@ class _WorkerActor:
 
     def reset(self, rank: int, world_size: int, attempt: int) -> None:
         self.worker.reset(rank, world_size, attempt)
+
+    def release(self, rank: int, world_size: int, attempt: int) -> PeerState | None:
+        return self.worker.release(rank, world_size, attempt)
+
+    def abort(self) -> bool:
+        return self.worker.abort()
 
     def prepare(self) -> float:
         return self.worker.prepare()
@@ -122,8 +129,9 @@ class RayWorkerGroup:
         )
 
     # --------------------------------------------------------------- lifecycle
-    def start(self, world_size: int) -> list[SetupInfo]:
-        """Create the actors in the reserved placement group, rendezvous, set up every rank."""
+    def start(self, world_size: int, peers: PeerPlan | None = None) -> list[SetupInfo]:
+        """Create the actors in the reserved placement group, rendezvous, set up every rank (taking the
+        state from rank ``peers.source`` when a peer plan is given)."""
         assert self.pg is not None, "reserve() first"
         self.world_size = world_size
         s = self.cfg.scaling
@@ -151,7 +159,7 @@ class RayWorkerGroup:
         self.nodes = self._get([a.node.remote() for a in self.actors], timeout)
         _check_same_code(self._get([a.code.remote() for a in self.actors], timeout), self.nodes)
         host, port = self._get([self.actors[0].bind_store.remote()], timeout)[0]
-        infos: list[SetupInfo] = self._get([a.setup.remote(host, port) for a in self.actors], timeout)
+        infos: list[SetupInfo] = self._get([a.setup.remote(host, port, peers) for a in self.actors], timeout)
         for info, (node_id, _) in zip(infos, self.nodes):
             info.node_id = node_id
         self._start_spare(cls)
@@ -285,41 +293,64 @@ class RayWorkerGroup:
         return False
 
     def salvage(self, failure: Failure, attempt: int) -> Salvage | None:
-        """For a warm restart: reset the workers whose epoch call has returned (they are idle and
-        healthy) and hand them over with the placement group; kill the rest. None when nothing is kept."""
-        if not self.cfg.failures.warm_restart or failure.kind not in ("worker_died", "user_error"):
+        """For a warm restart after a worker died or raised: wait (bounded) for the survivors to leave the
+        failed collective, then keep them, with their state in memory when ``failures.recover_from_peers``
+        (each reports a :class:`PeerState`), else reset. A survivor that does not come out within
+        :data:`RELEASE_S` is killed; the hot spare takes a single dead rank's place. None when nothing is
+        kept."""
+        fcfg = self.cfg.failures
+        if not fcfg.warm_restart or failure.kind not in ("worker_died", "user_error"):
             return None
         if self.pg is None or not self._pending:
             return None
-        done, _ = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
+        dead = {r for r, e in self._errors(0.0).items() if isinstance(e, RayActorError)}
+        if failure.kind == "worker_died" and failure.rank is not None:
+            dead.add(failure.rank)
+        for r in dead:
+            _kill(self.actors[r], f"rank {r}")  # a dead process's sockets close: its peers' collectives fail
+        alive = [r for r in range(len(self.actors)) if r not in dead]
+        if self.cfg.scaling.use_gpu:  # NCCL does not fail a collective whose peer is gone: abort it
+            for r in alive:
+                self.actors[r].abort.remote()
+        refs = [self._pending[r] for r in alive]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=RELEASE_S)
         errors = self._errors(0.0)
-        idle = [
-            r
-            for r, ref in enumerate(self._pending)
-            if ref in done and not isinstance(errors.get(r), RayActorError)
-        ]
-        resets = {r: self.actors[r].reset.remote(r, self.world_size, attempt) for r in idle}
+        out = [r for r in alive if self._pending[r] in done and not isinstance(errors.get(r), RayActorError)]
+        for r in alive:
+            if r not in out:
+                logger.warning(
+                    "rank %d did not leave the failed collective within %gs: not kept", r, RELEASE_S
+                )
+        rows = self._rank0_rows() if 0 in out else []
+        keep_state = fcfg.recover_from_peers
+        calls: dict[int, Any] = {}
+        for r in out:
+            # the rank whose own error caused the failure is never a source: it is reset, and receives
+            method = "release" if keep_state and r != failure.rank else "reset"
+            calls[r] = getattr(self.actors[r], method).remote(r, self.world_size, attempt)
         actors = dict(enumerate(self.actors))
-        dead = [r for r in range(len(self.actors)) if r not in idle]
-        if len(dead) == 1 and self._spare_prepared():
+        missing = [r for r in range(len(self.actors)) if r not in out]
+        if len(missing) == 1 and self._spare_prepared():
             # the hot spare becomes the dead rank (it runs in that rank's freed bundle)
-            actors[dead[0]] = self.spare
-            resets[dead[0]] = self.spare.reset.remote(dead[0], self.world_size, attempt)
+            actors[missing[0]] = self.spare
+            calls[missing[0]] = self.spare.reset.remote(missing[0], self.world_size, attempt)
             self.spare = None
         kept: dict[int, Any] = {}
-        if resets:
-            ready, _ = ray.wait(list(resets.values()), num_returns=len(resets), timeout=3.0)
-            for r, ref in resets.items():
+        peers: dict[int, PeerState] = {}
+        if calls:
+            ready, _ = ray.wait(list(calls.values()), num_returns=len(calls), timeout=RELEASE_S)
+            for r, ref in calls.items():
                 if ref not in ready:
-                    logger.warning("rank %d did not reset within 3 s: not kept for the warm restart", r)
+                    logger.warning("rank %d did not reset within %gs: not kept", r, RELEASE_S)
                     continue
                 try:
-                    ray.get(ref)
-                    kept[r] = actors[r]
+                    state = ray.get(ref)
                 except Exception as exc:
-                    logger.warning(
-                        "rank %d could not be reset, not kept for the warm restart: %s", r, _short(exc)
-                    )
+                    logger.warning("rank %d could not be reset, not kept: %s", r, _short(exc))
+                    continue
+                kept[r] = actors[r]
+                if isinstance(state, PeerState):
+                    peers[r] = state
         self._kill_spare()
         for r, actor in actors.items():
             if r not in kept:
@@ -329,9 +360,24 @@ class RayWorkerGroup:
             self.pg = None
             self.actors = []
             return None
-        salvage = Salvage(resources=self.pg, actors=kept)
+        salvage = Salvage(resources=self.pg, actors=kept, peers=peers if keep_state else None, rows=rows)
         self.pg, self.actors = None, []
         return salvage
+
+    def _rank0_rows(self) -> list[dict[str, Any]]:
+        """Rank 0's step rows not yet reported (its epoch result, or its buffer), once it left the group."""
+        try:
+            result = ray.get(self._pending[0], timeout=0)
+            if isinstance(result, EpochResult):
+                return list(result.step_rows)
+        except (RayTaskError, RayActorError, GetTimeoutError):
+            pass  # its epoch failed: the rows are still in its buffer
+        try:
+            beat: Heartbeat = ray.get(self.actors[0].heartbeat.remote(), timeout=5.0)
+            return list(beat.rows)
+        except Exception as exc:
+            logger.warning("rank 0's last step rows could not be collected: %s", _short(exc))
+            return []
 
     def spare_ready(self) -> float | None:
         """The seconds the hot spare took to prepare, once it has; None while it prepares or with no spare."""
@@ -429,6 +475,10 @@ def _check_same_code(codes: list[tuple[str, str]], nodes: list[tuple[str, str]])
                 "worker's PYTHONPATH), or install the same version of this package on every node"
             )
 
+
+RELEASE_S = 10.0
+"""Seconds the survivors of a failure get to leave the failed collective (and then to reset or report
+their state) before they are killed."""
 
 _COLLATERAL = ("Connection reset", "Connection closed", "Broken pipe", "Socket Timeout", "peer", "Gloo")
 

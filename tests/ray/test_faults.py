@@ -107,15 +107,19 @@ def committed(run_url: str, step: int) -> bool:
     return os.path.exists(f"{run_url}/checkpoints/step_{step:09d}/manifest.json")
 
 
-@pytest.mark.parametrize(
-    "scenario",
-    [
-        "inject_crash_first_epoch",
-        "sigkill_right_after_checkpoint",
-        "sigkill_mid_epoch",
-        "crash_during_checkpoint",
-    ],
-)
+PEER_SCENARIOS = [
+    "inject_crash_first_epoch",  # step 3: before any checkpoint exists
+    "sigkill_right_after_checkpoint",
+    "sigkill_mid_epoch",
+    "crash_during_checkpoint",  # rank 0 dies while writing step 10's checkpoint
+    "crash_in_backward",  # the survivor waits inside the gradient all-reduce
+    "crash_after_step",  # right after the optimizer update, before the next collective
+    "raise_in_user_code",  # the raising rank releases its peers by leaving the group
+    "grad_accum",
+]
+
+
+@pytest.mark.parametrize("scenario", [*PEER_SCENARIOS, "peers_off"])
 def test_killed_worker_recovers_bitwise_equal(reference: dict, tmp_path: object, scenario: str) -> None:
     storage = f"{tmp_path}/runs"
     run_url = f"{storage}/{scenario}"
@@ -125,6 +129,14 @@ def test_killed_worker_recovers_bitwise_equal(reference: dict, tmp_path: object,
         extra = ["failures.inject=[{rank: 1, step: 3, kind: crash}]"]
     elif scenario == "crash_during_checkpoint":
         extra = ["failures.inject=[{rank: 0, step: 10, kind: crash_in_checkpoint}]"]
+    elif scenario in ("crash_in_backward", "crash_after_step"):
+        extra = [f"failures.inject=[{{rank: 1, step: 18, kind: {scenario}}}]"]
+    elif scenario == "raise_in_user_code":
+        extra = ["failures.inject=[{rank: 0, step: 13, kind: raise}]"]
+    elif scenario == "grad_accum":
+        extra = ["training.grad_accum_steps=2", "failures.inject=[{rank: 1, step: 8, kind: crash}]"]
+    elif scenario == "peers_off":
+        extra = ["failures.recover_from_peers=false", "failures.inject=[{rank: 1, step: 13, kind: crash}]"]
     elif scenario == "sigkill_right_after_checkpoint":
         killer = kill_when(run_url, lambda: committed(run_url, 10), rank=1)
     else:  # mid epoch 2, between checkpoints 20 and 25
@@ -138,14 +150,39 @@ def test_killed_worker_recovers_bitwise_equal(reference: dict, tmp_path: object,
     assert result.attempts == 2, result.failures
     assert result.failures[0]["kind"] in ("worker_died", "user_error")
     failure = events(run_url, "failure")[0]
-    recovered = events(run_url, "recovered")
-    assert recovered and recovered[0]["detect_to_first_step_s"] > 0
-    assert recovered[0]["lost_steps"] <= 5 + 1, recovered  # at most one checkpoint interval
+    (recovered,) = events(run_url, "recovered")
+    assert recovered["detect_to_first_step_s"] > 0
     assert failure["kind"] == result.failures[0]["kind"]
+    first, second = events(run_url, "group_started")
+    if scenario == "peers_off":
+        assert recovered["source"] == "checkpoint" and recovered["fallback"] is None
+        assert recovered["lost_steps"] <= 5 + 1, recovered  # at most one checkpoint interval
+        assert recovered["storage_reads"] > 0 and recovered["storage_read_bytes"] > 0
+        assert second["resume_step"] == 10
+    else:
+        assert recovered["source"] == "peers", recovered
+        assert recovered["lost_steps"] <= 1, recovered
+        assert recovered["storage_reads"] == 0 and recovered["storage_read_bytes"] == 0  # nothing read
+        assert recovered["bytes"] > 0
+        # every survivor kept its process: only the dead rank's pid changed
+        dead = result.failures[0]["rank"]
+        assert [p for r, p in enumerate(first["pids"]) if r != dead] == [
+            p for r, p in enumerate(second["pids"]) if r != dead
+        ]
     if scenario == "crash_during_checkpoint":
-        # the torn step-10 write was never used: the retry resumed from step 5 and rewrote step 10
-        assert events(run_url, "group_started")[1]["resume_step"] == 5
-    assert_bitwise_equal(final_model(result.run_url), reference)
+        # the torn step-10 write was never read: the survivor held step 10 (or 11) in memory
+        assert second["resume_step"] >= 10 and second["resume_checkpoint"] is None
+    if scenario == "grad_accum":
+        assert_bitwise_equal(final_model(result.run_url), grad_accum_reference(tmp_path))
+    else:
+        assert_bitwise_equal(final_model(result.run_url), reference)
+
+
+def grad_accum_reference(tmp_path: object) -> dict[str, torch.Tensor]:
+    storage = f"{tmp_path}/ref-accum"
+    cfg = load_config("jobs/configs/tiny_cpu.yaml", overrides(storage, "ref", "training.grad_accum_steps=2"))
+    assert train(cfg, out=io.StringIO()).attempts == 1
+    return final_model(f"{storage}/ref")
 
 
 def test_hang_is_detected_by_heartbeat_and_recovered(reference: dict, tmp_path: object) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import uuid
@@ -16,6 +17,7 @@ from cluster.driver import Driver, Failed, FailurePolicy, Running, Starting
 from cluster.errors import Failure, ResourcesUnavailableError, TrainingFailedError, WorkerError
 from cluster.group import Salvage
 from cluster.metrics import read_metrics
+from cluster.peer import PeerPlan, PeerState
 from cluster.worker import EpochResult, Heartbeat, ResumePoint, SetupInfo
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
@@ -29,6 +31,8 @@ class ScriptedGroup:
 
     instances: list[ScriptedGroup] = []
     niceness = "0"  # what every rank reports from scaling.worker_niceness
+    survivors: dict[int, PeerState] | None = None  # what salvage keeps (None: nothing)
+    rows: list[dict[str, Any]] = []  # rank 0's step rows salvage hands over
 
     def __init__(
         self,
@@ -55,10 +59,13 @@ class ScriptedGroup:
                 return n
         raise ResourcesUnavailableError(f"no room for {sizes[-1]} workers")
 
-    def start(self, world_size: int) -> list[SetupInfo]:
+    def start(self, world_size: int, peers: PeerPlan | None = None) -> list[SetupInfo]:
         self.world_size = world_size
+        self.peers = peers
         step = self.resume.get(self.attempt, 0)
         rp = ResumePoint(step, step // STEPS, step % STEPS, None)
+        if peers is not None:
+            rp = ResumePoint(peers.global_step, peers.epoch, peers.step_in_epoch, None, source="peers")
         return [
             SetupInfo(
                 r,
@@ -122,10 +129,13 @@ class ScriptedGroup:
         return self.world_size + n <= self.capacity[0]
 
     def salvage(self, failure: Failure, attempt: int) -> Salvage | None:
-        return None
+        if ScriptedGroup.survivors is None:
+            return None
+        peers = {r: dataclasses.replace(p, rank=r) for r, p in ScriptedGroup.survivors.items()}
+        return Salvage(resources="pg", actors=dict.fromkeys(peers, "actor"), peers=peers, rows=self.rows)
 
     def adopt(self, salvage: Salvage) -> None:
-        raise AssertionError("nothing was salvaged")
+        self.adopted = salvage
 
     def shutdown(self, graceful: bool) -> None:
         self.shut = graceful
@@ -138,6 +148,8 @@ def make(
     resume: dict[int, int] | None = None,
 ) -> tuple[Driver, list[int]]:
     ScriptedGroup.instances = []
+    ScriptedGroup.survivors = None
+    ScriptedGroup.rows = []
     cap = [capacity]
     cfg = load_config(
         data={"storage": {"url": f"memory://drv-{uuid.uuid4().hex}"}},
@@ -422,3 +434,54 @@ def test_extra_metrics_reach_the_parquet_and_the_result() -> None:
     rows = read_metrics(driver.storage).to_pylist()
     assert [r["m_acc"] for r in rows if r["kind"] == "epoch"] == [0.25, 0.5, 0.75]
     assert [r["m_acc"] for r in rows if r["kind"] == "step"] == [0.5] * 3
+
+
+def _peer(step: int, digest: str = "d1") -> PeerState:
+    return PeerState(0, step, step // STEPS, step % STEPS, digest, 1000)
+
+
+def test_survivors_agreeing_are_the_source_and_the_recovery_says_so() -> None:
+    driver, _ = make({0: ["ok", Failure("worker_died", 1, "worker_died:rank 1 died")]}, resume={1: 4})
+    ScriptedGroup.survivors = {0: _peer(6), 2: _peer(6)}
+    ScriptedGroup.rows = [{"global_step": 5, "loss": 0.5}, {"global_step": 6, "loss": 0.4}]
+    result = driver.run()
+    assert result.status == "finished" and result.attempts == 2
+    second = ScriptedGroup.instances[1]
+    assert second.adopted.count == 2
+    assert second.peers == PeerPlan(0, 6, 1, 2, "d1", 1000, (0, 2))  # not the checkpoint at step 4
+    assert second.calls[0] == "epoch1@2"
+    ev = driver.events.records()
+    decision = next(e for e in ev if e["event"] == "decision")
+    assert decision["source"] == "peers" and decision["peer_source"] == 0 and decision["peer_step"] == 6
+    recovered = next(e for e in ev if e["event"] == "recovered")
+    assert recovered["source"] == "peers" and recovered["resume_step"] == 6
+    # rank 0's rows buffered before the failure reached the Parquet files
+    steps = read_metrics(driver.storage).to_pydict()
+    assert {5, 6} <= {g for g, k in zip(steps["global_step"], steps["kind"]) if k == "step"}
+
+
+@pytest.mark.parametrize(
+    ("survivors", "kind", "overrides", "why"),
+    [
+        ({0: ("6", "a"), 2: ("6", "b")}, "worker_died", [], "hold different states"),
+        ({}, "worker_died", [], "no healthy survivor"),
+        ({0: ("6", "a")}, "hang", [], "a hang"),
+        ({0: ("6", "a")}, "worker_died", ["failures.recover_from_peers=false"], None),
+        ({0: ("4", "a"), 2: ("6", "a")}, "worker_died", [], "more than one step apart"),
+    ],
+)
+def test_each_fallback_resumes_from_the_checkpoint_and_says_why(
+    survivors: dict[int, tuple[str, str]], kind: str, overrides: list[str], why: str | None
+) -> None:
+    driver, _ = make({0: ["ok", Failure(kind, 1, f"{kind}:x")]}, overrides, resume={1: 4})
+    ScriptedGroup.survivors = {r: _peer(int(step), digest) for r, (step, digest) in survivors.items()}
+    result = driver.run()
+    assert result.status == "finished"
+    assert ScriptedGroup.instances[1].peers is None
+    assert ScriptedGroup.instances[1].calls[0] == "epoch1@0"  # the checkpoint at step 4
+    decision = next(e for e in driver.events.records() if e["event"] == "decision")
+    assert decision["source"] == "checkpoint"
+    if why is None:
+        assert decision["fallback"] is None  # switched off: not a fallback
+    else:
+        assert why in decision["fallback"]

@@ -1,0 +1,266 @@
+"""Recovery from peers: after a rank dies, the survivors keep their state in memory and one of them sends it
+to the replacement over the new process group, instead of every rank reloading a checkpoint from storage.
+
+Three pieces, each usable on its own:
+
+- :class:`PeerState`: what a survivor reports once it has left the failed process group (its step, and a
+  digest of everything exact resume needs).
+- :func:`plan_recovery`: the driver's rule for whether to trust the survivors and whom to copy. Pure logic.
+- :func:`broadcast_state`: the transfer itself, a handful of ``dist.broadcast`` calls (NCCL on GPU, gloo on
+  CPU): the structure once as a pickled object, the tensors in large flat buffers per dtype.
+
+The rule (why it is exact). In DDP an optimizer step needs the gradients of every rank, all-reduced. A
+survivor whose all-reduce of step ``k`` completed holds exactly the fault-free run's state after step ``k``;
+one whose all-reduce failed never stepped and holds the state after ``k - 1``. So survivors differ by at most
+one step, the highest step any survivor completed is a state of the fault-free run, and the group resumes
+there: at most the step in flight is lost. Every survivor at that step must hold the same digest; any
+disagreement, a gap of more than one step, or a state that cannot be sent falls back to the latest verified
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+BUCKET_BYTES = 256 << 20
+"""Tensors are sent in flat buffers of at most this size per dtype (a tensor larger than it goes alone)."""
+
+
+@dataclass(frozen=True)
+class PeerState:
+    """A survivor's report after it left the failed process group."""
+
+    rank: int
+    global_step: int
+    epoch: int
+    """The epoch to continue in (the next one when the rank finished an epoch's last step)."""
+    step_in_epoch: int
+    digest: str
+    """:func:`state_digest` of the state it would send."""
+    nbytes: int
+    """Bytes of tensor data it would send."""
+    unsendable: str = ""
+    """Why this state cannot be sent from one rank (e.g. optimizer state sharded across ranks); "" when it
+    can."""
+
+
+@dataclass(frozen=True)
+class PeerPlan:
+    """The driver's decision: rank ``source`` sends its state (at ``global_step``) to every other rank."""
+
+    source: int
+    global_step: int
+    epoch: int
+    step_in_epoch: int
+    digest: str
+    nbytes: int
+    holders: tuple[int, ...]
+    """Ranks that already hold this exact state (the source included): they check, they do not load."""
+
+
+def plan_recovery(peers: dict[int, PeerState]) -> PeerPlan | str:
+    """The plan, or the reason to fall back to the latest checkpoint (the rule: see the module docstring)."""
+    if not peers:
+        return "no healthy survivor kept its state"
+    unsendable = sorted({p.unsendable for p in peers.values() if p.unsendable})
+    if unsendable:
+        return f"the survivors' state cannot be sent: {'; '.join(unsendable)}"
+    top = max(p.global_step for p in peers.values())
+    low = min(p.global_step for p in peers.values())
+    if top - low > 1:
+        return (
+            f"survivors stand at steps {low} to {top}, more than one step apart: one of them did not take "
+            "part in a collective it should have"
+        )
+    at_top = sorted(r for r, p in peers.items() if p.global_step == top)
+    digests = {peers[r].digest for r in at_top}
+    if len(digests) > 1:
+        detail = ", ".join(f"rank {r}: {peers[r].digest[:12]}" for r in at_top)
+        return f"the survivors at step {top} hold different states ({detail})"
+    src = peers[at_top[0]]
+    return PeerPlan(
+        source=src.rank,
+        global_step=top,
+        epoch=src.epoch,
+        step_in_epoch=src.step_in_epoch,
+        digest=src.digest,
+        nbytes=src.nbytes,
+        holders=tuple(at_top),
+    )
+
+
+# ----------------------------------------------------------------------------------------- state digest
+def state_digest(state: Any) -> tuple[str, int]:
+    """(hex digest, tensor bytes) of a nested state (dicts, lists, tensors, plain values).
+
+    Each tensor contributes its dtype, shape and ``torch.hash_tensor`` (an xor of its elements' 64-bit
+    patterns, computed where the tensor lives: no copy to the host); everything else contributes its repr.
+    Any change to one element changes the digest; it is a check that replicas agree, not a cryptographic
+    hash.
+    """
+    skeleton, tensors = _flatten(state)
+    h = hashlib.blake2b(digest_size=16)
+    h.update(pickle.dumps(skeleton, protocol=4))
+    nbytes = 0
+    if tensors:
+        hashes = torch.stack([_tensor_hash(t).to(tensors[0].device) for t in tensors]).cpu()
+        h.update(hashes.numpy().tobytes())
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return h.hexdigest(), nbytes
+
+
+def _tensor_hash(t: torch.Tensor) -> torch.Tensor:
+    if t.numel() == 0:
+        return torch.zeros((), dtype=torch.uint64, device=t.device)
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    return torch.hash_tensor(t.detach())
+
+
+# ----------------------------------------------------------------------------------------- transfer
+@dataclass(frozen=True)
+class _Slot:
+    """Where a tensor sat in the structure: its index in the flat list, and how to rebuild it."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    on_cpu: bool
+
+
+def _flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
+    tensors: list[torch.Tensor] = []
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            tensors.append(x.detach())
+            return _Slot(len(tensors) - 1, tuple(x.shape), x.dtype, x.device.type == "cpu")
+        if isinstance(x, dict):
+            return type(x)((k, walk(v)) for k, v in x.items())
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        if isinstance(x, tuple):
+            return tuple(walk(v) for v in x)
+        return x
+
+    return walk(obj), tensors
+
+
+def _unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    def walk(x: Any) -> Any:
+        if isinstance(x, _Slot):
+            return tensors[x.index]
+        if isinstance(x, dict):
+            return type(x)((k, walk(v)) for k, v in x.items())
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        if isinstance(x, tuple):
+            return tuple(walk(v) for v in x)
+        return x
+
+    return walk(skeleton)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """What one :func:`broadcast_state` call moved."""
+
+    nbytes: int
+    seconds: float
+    collectives: int
+
+
+def broadcast_state(state: Any, src: int, device: torch.device) -> tuple[Any, Transfer]:
+    """Send ``state`` (a nested dict of tensors and plain values; only read on rank ``src``) from ``src`` to
+    every rank of the default process group; return the state (the source gets its own back) and what moved.
+
+    The structure travels once (``broadcast_object_list``); tensors travel on ``device`` (the process
+    group's: the GPU under NCCL) in flat buffers of one dtype each, at most :data:`BUCKET_BYTES` large. The
+    receivers rebuild every tensor on the device the source had it on (CPU or this rank's GPU).
+    """
+    t0 = time.perf_counter()
+    rank = dist.get_rank()
+    box: list[Any] = [None]
+    tensors: list[torch.Tensor] = []
+    if rank == src:
+        skeleton, tensors = _flatten(state)
+        box = [skeleton]
+    dist.broadcast_object_list(box, src=src, device=device if device.type == "cuda" else None)
+    skeleton = box[0]
+    slots = _slots(skeleton)
+    out: list[torch.Tensor | None] = [None] * len(slots)
+    collectives = 1
+    nbytes = 0
+    for bucket in _buckets(slots):
+        dtype = bucket[0].dtype
+        sizes = [_numel(s.shape) for s in bucket]
+        if rank == src:
+            flat = torch.cat([tensors[s.index].reshape(-1).to(device) for s in bucket])
+        else:
+            flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+        dist.broadcast(flat, src=src)
+        collectives += 1
+        nbytes += flat.numel() * flat.element_size()
+        if rank == src:
+            continue
+        for slot, part in zip(bucket, torch.split(flat, sizes)):
+            t = part.view(slot.shape)  # a view into the received buffer: no copy
+            out[slot.index] = t.cpu() if slot.on_cpu else t
+    if rank == src:
+        return state, Transfer(nbytes, time.perf_counter() - t0, collectives)
+    for slot in slots:  # zero-element tensors travel in no bucket
+        if out[slot.index] is None:
+            where = torch.device("cpu") if slot.on_cpu else device
+            out[slot.index] = torch.empty(slot.shape, dtype=slot.dtype, device=where)
+    received = [t for t in out if t is not None]
+    return _unflatten(skeleton, received), Transfer(nbytes, time.perf_counter() - t0, collectives)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _slots(skeleton: Any) -> list[_Slot]:
+    found: list[_Slot] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, _Slot):
+            found.append(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(skeleton)
+    return sorted(found, key=lambda s: s.index)
+
+
+def _buckets(slots: list[_Slot]) -> list[list[_Slot]]:
+    """Group tensors by dtype into flat buffers of at most BUCKET_BYTES, in a fixed order (every rank
+    computes the same buckets from the same structure)."""
+    by_dtype: dict[torch.dtype, list[list[_Slot]]] = {}
+    sizes: dict[torch.dtype, int] = {}
+    for s in slots:
+        n = _numel(s.shape)
+        if n == 0:
+            continue
+        b = n * torch.empty((), dtype=s.dtype).element_size()
+        groups = by_dtype.setdefault(s.dtype, [[]])
+        if groups[-1] and sizes[s.dtype] + b > BUCKET_BYTES:
+            groups.append([])
+            sizes[s.dtype] = 0
+        groups[-1].append(s)
+        sizes[s.dtype] = sizes.get(s.dtype, 0) + b
+    return [g for groups in by_dtype.values() for g in groups if g]
