@@ -4,11 +4,12 @@
     RAY_AUTH_MODE=disabled .venv/bin/python -m benchmarks.bench_ddp --fault [--repeats 3] [--json out.json]
 
 Workload (identical in every arm): jobs.tasks.charlm:CharLMTask (context 64, d_model 64, 2 layers, 4 heads,
-200k chars of stdlib source), 2 CPU workers over gloo, global batch 64, seed 0, AdamW lr 3e-3 with the
-task's 20-step warmup, 4 epochs of 48 steps, rank 0 checkpoints every ``--ckpt-every`` steps and at each
-epoch end, one thread per worker.
+200k chars of stdlib source), 2 CPU workers over gloo (``--workers N``: N ranks sharing the 2 CPUs), global
+batch 64, seed 0, AdamW lr 3e-3 with the task's 20-step warmup, 4 epochs of 48 steps, rank 0 checkpoints
+every ``--ckpt-every`` steps and at each epoch end, one thread per worker.
 
-  product   cluster.train(cfg) on an embedded local Ray that train() starts and stops itself
+  product   cluster.train(cfg) on an embedded local Ray that train() starts and stops itself (variants:
+            product_spare with failures.hot_spare=true, product_ckpt with failures.recover_from_peers=false)
   bare      torch.multiprocessing spawn + init_process_group(gloo, env://) + DistributedDataParallel +
             DistributedSampler.set_epoch, rank 0 torch.save each checkpoint; a torchrun-style supervisor
             (0.1 s monitor interval) restarts all ranks from the latest checkpoint after a failure
@@ -53,7 +54,13 @@ import tempfile
 import time
 from typing import Any
 
-ARMS = ("product", "bare", "raytrain")
+ARMS = ("product", "product_spare", "product_ckpt", "bare", "raytrain")
+DEFAULT_ARMS = ("product", "bare", "raytrain")
+PRODUCT_VARIANTS = {
+    "product": [],  # defaults: recovery from peers on, hot spare auto (off when no CPU share is free)
+    "product_spare": ["failures.hot_spare=true"],
+    "product_ckpt": ["failures.recover_from_peers=false"],  # the checkpoint path, as before peers
+}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASK_ARGS = {"context": 64, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_chars": 200_000, "lr": 0.003}
 TARGETS = {"epoch_s": 1.02, "total_s": 1.25, "first_step_s": 2.0}
@@ -191,6 +198,8 @@ def product_fault(
     )
     fs["lost_steps"] = kill_step - 1 - fs["resume_step"] if fs["resume_step"] is not None else None
     fs["product_reported_lost_steps"] = rec.get("lost_steps")
+    fs["storage_read_bytes"] = rec.get("storage_read_bytes")
+    fs["source"] = rec.get("source")
     failure = next((e for e in events if e["event"] == "failure"), None)
     if failure:
         fs["kill_to_detect_s"] = failure["time"] - fs["kill_time"]
@@ -213,10 +222,11 @@ def child_product(spec: dict[str, Any]) -> dict[str, Any]:
         "training.log_every_steps=1",
         f"checkpoint.every_steps={spec['ckpt_every_steps']}",
         "checkpoint.every_epochs=1",
-        "scaling.num_workers=2",
-        "scaling.cpus_per_worker=1",
+        f"scaling.num_workers={spec.get('workers', 2)}",
+        f"scaling.cpus_per_worker={_cpus_per_worker(spec)}",
         "failures.max_failures=1",
         *spec.get("product_set", []),
+        *PRODUCT_VARIANTS[spec.get("variant", "product")],
     ]
     cfg = load_config(
         os.path.join(REPO, "jobs/configs/tiny_cpu.yaml"),
@@ -262,7 +272,7 @@ def child_bare(spec: dict[str, Any]) -> dict[str, Any]:
     from benchmarks._loop import bare_worker
 
     os.environ["OMP_NUM_THREADS"] = "1"  # what torchrun sets for nproc_per_node > 1
-    world, max_restarts, monitor_s = 2, 1, 0.1
+    world, max_restarts, monitor_s = int(spec.get("workers", 2)), 1, 0.1
     os.makedirs(spec["ckpt_dir"], exist_ok=True)
     t0 = time.time()
     restarts, detected = 0, None
@@ -309,7 +319,11 @@ def child_raytrain(spec: dict[str, Any]) -> dict[str, Any]:
     trainer = ray.train.torch.TorchTrainer(
         raytrain_loop,
         train_loop_config=spec,
-        scaling_config=ray.train.ScalingConfig(num_workers=2, use_gpu=False),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=int(spec.get("workers", 2)),
+            use_gpu=False,
+            resources_per_worker={"CPU": _cpus_per_worker(spec)},
+        ),
         run_config=ray.train.RunConfig(
             name="bench",
             storage_path=spec["storage"],
@@ -363,14 +377,22 @@ def _loop_result(spec: dict[str, Any], t0: float, t_end: float, extra: dict[str,
         out["fault"] = _fault_stats(spec["kill_file"], spec["kill_step"], starts, steps)
         if extra.get("detect_time") and "kill_time" in out["fault"]:
             out["fault"]["kill_to_detect_s"] = extra["detect_time"] - out["fault"]["kill_time"]
+        # every rank reads the checkpoint it resumes from: its size times the ranks
+        files = glob.glob(os.path.join(spec["ckpt_dir"], "latest.pt")) or sorted(
+            glob.glob(os.path.join(spec["storage"], "**", "state.pt"), recursive=True)
+        )
+        if files:
+            out["fault"]["storage_read_bytes"] = os.path.getsize(files[-1]) * int(spec.get("workers", 2))
     return out
 
 
 def child_main(arm: str, spec_path: str, out_path: str) -> int:
     with open(spec_path) as fh:
         spec = json.load(fh)
-    fn = {"product": child_product, "bare": child_bare, "raytrain": child_raytrain}[arm]
-    result = fn(spec)
+    if arm in PRODUCT_VARIANTS:
+        result = child_product({**spec, "variant": arm})
+    else:
+        result = {"bare": child_bare, "raytrain": child_raytrain}[arm](spec)
     result["arm"] = arm
     with open(out_path, "w") as fh:
         json.dump(result, fh, indent=1, default=str)
@@ -378,6 +400,11 @@ def child_main(arm: str, spec_path: str, out_path: str) -> int:
 
 
 # ====================================================================== parent side
+def _cpus_per_worker(spec: dict[str, Any]) -> float:
+    """One CPU per rank up to 2 ranks; beyond, the 2 CPUs this benchmark is sized for, shared."""
+    return min(1.0, 2.0 / int(spec.get("workers", 2)))
+
+
 def _steps_per_epoch(task_args: dict[str, Any], batch: int) -> int:
     from jobs.tasks.charlm import load_corpus
 
@@ -397,6 +424,7 @@ def make_spec(
     head: Any = None,
     task: str = "jobs.tasks.charlm:CharLMTask",
     task_args: dict[str, Any] | None = None,
+    workers: int = 2,
 ) -> dict[str, Any]:
     """The spec one arm's child runs: the fixed workload, with its scratch paths under ``work``."""
     spec: dict[str, Any] = {
@@ -414,6 +442,7 @@ def make_spec(
         "kill_step": kill_step if fault else 0,
         "kill_file": os.path.join(work, "killed") if fault else "",
         "product_set": list(product_set or []),
+        "workers": workers,
         "ray_address": head.address if head else "",
         "ray_head_tmp": head.temp_dir if head else "",
     }
@@ -609,7 +638,7 @@ def _fmt(v: Any, digits: int = 2) -> str:
 
 def summarize(runs: list[dict[str, Any]], fault: bool) -> dict[str, Any]:
     keys = ["total_s", "first_step_s", "epoch_s", "teardown_s", "step_interval_s", "epoch_boundary_extra_s"]
-    fkeys = ["recovery_s", "kill_to_detect_s", "lost_steps"]
+    fkeys = ["recovery_s", "kill_to_detect_s", "lost_steps", "storage_read_bytes"]
     med: dict[str, dict[str, Any]] = {}
     for arm in ARMS:
         mine = [r for r in runs if r.get("arm") == arm and "error" not in r]
@@ -619,7 +648,7 @@ def summarize(runs: list[dict[str, Any]], fault: bool) -> dict[str, Any]:
         m["n"] = len(mine)
         if fault:
             m.update({k: _median([r.get("fault", {}).get(k) for r in mine]) for k in fkeys})
-            if arm == "product":
+            if arm in PRODUCT_VARIANTS:
                 for k in (
                     "detect_to_teardown_s",
                     "reserve_s",
@@ -629,6 +658,7 @@ def summarize(runs: list[dict[str, Any]], fault: bool) -> dict[str, Any]:
                     "task_s",
                     "ddp_s",
                     "checkpoint_load_s",
+                    "transfer_s",
                     "first_step_s",
                     "detect_to_first_step_s",
                     "lost_steps",
@@ -639,7 +669,7 @@ def summarize(runs: list[dict[str, Any]], fault: bool) -> dict[str, Any]:
         med[arm] = m
     ratios: dict[str, dict[str, float | None]] = {}
     base = med.get("bare")
-    for arm in ("product", "raytrain"):
+    for arm in [a for a in ARMS if a != "bare"]:
         if base and arm in med:
             ratios[f"{arm}/bare"] = {
                 k: (med[arm][k] / base[k]) if med[arm].get(k) and base.get(k) else None
@@ -652,7 +682,7 @@ def summarize(runs: list[dict[str, Any]], fault: bool) -> dict[str, Any]:
     for r in runs:
         if "error" not in r:
             by_rep.setdefault(r.get("repeat"), {})[r["arm"]] = r
-    for arm in ("product", "raytrain"):
+    for arm in [a for a in ARMS if a != "bare"]:
         pairs = [rep for rep in by_rep.values() if arm in rep and "bare" in rep]
         if pairs:
             paired[f"{arm}/bare"] = {
@@ -702,19 +732,22 @@ def print_table(summary: dict[str, Any], fault: bool) -> None:
             print(f"\nproduct targets ({'paired ratios' if paired else 'ratios of medians'}): {verdict}")
     else:
         print(
-            f"\n{'arm':10} {'n':>2} {'total_s':>8} {'recovery_s':>10} {'kill->detect':>12} {'lost_steps':>10}"
+            f"\n{'arm':14} {'n':>2} {'total_s':>8} {'recovery_s':>10} {'kill->detect':>12} "
+            f"{'lost_steps':>10} {'read_MiB':>9}"
         )
         for arm, m in med.items():
+            read = m.get("storage_read_bytes")
             print(
-                f"{arm:10} {m['n']:>2} {_fmt(m['total_s']):>8} {_fmt(m['recovery_s']):>10} "
-                f"{_fmt(m['kill_to_detect_s']):>12} {_fmt(m['lost_steps'], 0):>10}"
+                f"{arm:14} {m['n']:>2} {_fmt(m['total_s']):>8} {_fmt(m['recovery_s']):>10} "
+                f"{_fmt(m['kill_to_detect_s']):>12} {_fmt(m['lost_steps'], 0):>10} "
+                f"{_fmt(read / 2**20 if read is not None else None):>9}"
             )
-        if "product" in med:
-            p = med["product"]
-            print(
-                "\nproduct recovered-event phases (median): "
-                + ", ".join(f"{k[6:]}={_fmt(v)}" for k, v in p.items() if k.startswith("phase_"))
-            )
+        for arm in PRODUCT_VARIANTS:
+            if arm in med:
+                print(
+                    f"\n{arm} recovered-event phases (median): "
+                    + ", ".join(f"{k[6:]}={_fmt(v)}" for k, v in med[arm].items() if k.startswith("phase_"))
+                )
         for name, r in ratios.items():
             print(f"{name}: total {_fmt(r['total_s'])}x, recovery {_fmt(r['recovery_s'])}x")
     print("\nbreakdown (median seconds):")
@@ -734,7 +767,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--repeats", type=int, default=1, help="repeat the whole comparison N times; report medians"
     )
-    p.add_argument("--arms", default=",".join(ARMS), help="comma list of product,bare,raytrain")
+    p.add_argument(
+        "--arms",
+        default=",".join(DEFAULT_ARMS),
+        help=f"comma list of {','.join(ARMS)} (product_spare: hot spare on; product_ckpt: recovery from "
+        "peers off)",
+    )
+    p.add_argument("--workers", type=int, default=2, help="ranks per arm (CPU shares of 2 cores beyond 2)")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--fault", action="store_true", help="SIGKILL rank 1 mid-epoch and measure recovery")
     p.add_argument("--kill-step", type=int, default=76, help="global step before which rank 1 dies (--fault)")
@@ -807,6 +846,7 @@ def main(argv: list[str] | None = None) -> int:
                     steps_per_epoch=spe,
                     product_set=args.product_set,
                     head=head,
+                    workers=args.workers,
                 )
                 print(f"[repeat {rep + 1}/{args.repeats}] {arm} ...", flush=True)
                 res = run_arm(arm, spec, work, args.timeout)
@@ -856,7 +896,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "workload": {
                 "task_args": TASK_ARGS,
-                "workers": 2,
+                "workers": args.workers,
                 "global_batch": 64,
                 "epochs": args.epochs,
                 "steps_per_epoch": spe,

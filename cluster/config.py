@@ -84,6 +84,15 @@ class TrainingConfig:
     """Cap on optimizer steps per epoch (shortens epochs for smoke tests); ``null`` uses the whole dataset."""
     log_every_steps: int = 10
     """Record per-step metrics (loss, lr, step time) every this many steps."""
+    fixed_buckets: bool = True
+    """Keep DDP's first gradient-bucket layout for the whole run (``find_unused_parameters=True``, which
+    turns off DDP's bucket rebuild after the first step). With more than 2 ranks the order in which an
+    all-reduce sums a gradient element depends on its place in its bucket, and a restarted DDP would sum one
+    step in another order: this keeps a resumed run bitwise equal to an uninterrupted one at any world
+    size, at the cost of a walk of the autograd graph per step (within noise on the benchmark model); DDP
+    warns once per rank that it found no unused parameter, which is expected. ``false``: DDP's default
+    (buckets rebuilt in gradient-ready order after the first step; resume bitwise exact at 2 ranks, equal
+    to rounding beyond)."""
 
 
 @dataclass

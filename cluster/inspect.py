@@ -55,6 +55,14 @@ class FailureRecord:
     decision: str | None
     recovery_s: float | None
     lost_steps: int | None
+    source: str | None = None
+    """Where the state came from: ``peers`` (a survivor's memory) or ``checkpoint`` (storage)."""
+    resume_step: int | None = None
+    moved_bytes: int | None = None
+    """Bytes of state moved to the ranks (from the peer, or read from storage)."""
+    transfer_s: float | None = None
+    fallback: str | None = None
+    """Why the survivors' state was not used, when it was not."""
 
 
 @dataclass(frozen=True)
@@ -303,6 +311,11 @@ def failure_records(events: list[dict[str, Any]]) -> list[FailureRecord]:
                 ),
                 recovery_s=None if recovered is None else recovered.get("detect_to_first_step_s"),
                 lost_steps=None if recovered is None else recovered.get("lost_steps"),
+                source=None if recovered is None else recovered.get("source"),
+                resume_step=None if recovered is None else recovered.get("resume_step"),
+                moved_bytes=None if recovered is None else recovered.get("bytes"),
+                transfer_s=None if recovered is None else recovered.get("transfer_s"),
+                fallback=(recovered or decision or {}).get("fallback"),
             )
         )
     return out
@@ -444,7 +457,19 @@ def format_show(r: RunReport) -> str:
     if r.failures:
         out.append(
             table(
-                ["ATTEMPT", "KIND", "RANK", "STEP", "DECISION", "RECOVERY_S", "LOST_STEPS", "MESSAGE"],
+                [
+                    "ATTEMPT",
+                    "KIND",
+                    "RANK",
+                    "STEP",
+                    "DECISION",
+                    "SOURCE",
+                    "RESUMED_AT",
+                    "RECOVERY_S",
+                    "LOST_STEPS",
+                    "MOVED",
+                    "MESSAGE",
+                ],
                 [
                     [
                         _fmt(f.attempt),
@@ -452,15 +477,19 @@ def format_show(r: RunReport) -> str:
                         _fmt(f.rank),
                         _fmt(f.step),
                         _fmt(f.decision),
+                        _fmt(f.source),
+                        _fmt(f.resume_step),
                         _fmt(f.recovery_s, 1),
                         _fmt(f.lost_steps),
-                        f.message[:80],
+                        human_bytes(f.moved_bytes) if f.moved_bytes is not None else "-",
+                        f.message[:60],
                     ]
                     for f in r.failures
                 ],
                 indent="  ",
             )
         )
+        out += [f"  attempt {f.attempt}: not from peers: {f.fallback}" for f in r.failures if f.fallback]
     for e in r.other_events:
         detail = {k: v for k, v in e.items() if k not in ("time", "event")}
         out.append(f"  {_when(e.get('time'))} {e.get('event')}: {json.dumps(detail, default=str)[:200]}")

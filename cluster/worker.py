@@ -289,10 +289,10 @@ class Worker:
                 scheduler = task.build_scheduler(optimizer, sampler.steps_per_epoch * cfg.training.epochs)
             resume = self._receive(peers, device, raw_model, optimizer, scheduler)
             t["peer_transfer"] = time.time()
-            model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None)
+            model = self._ddp(raw_model, device)
             t["ddp"] = time.time()
         else:
-            model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None)
+            model = self._ddp(raw_model, device)
             optimizer = task.build_optimizer(raw_model)
             scheduler = task.build_scheduler(optimizer, sampler.steps_per_epoch * cfg.training.epochs)
             t["ddp"] = time.time()
@@ -326,6 +326,13 @@ class Worker:
             device, backend, model, raw_model, optimizer, scheduler, sampler, ckpt_store, writer, info
         )
         return self.session
+
+    def _ddp(self, raw_model: nn.Module, device: torch.device) -> DDP:
+        return DDP(
+            raw_model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            find_unused_parameters=self.cfg.training.fixed_buckets,  # see TrainingConfig.fixed_buckets
+        )
 
     # ----------------------------------------------------------------- recovery from peers
     def _payload(self, raw_model: nn.Module, state: TrainState) -> dict[str, Any]:

@@ -311,3 +311,44 @@ def test_hot_spare_replaces_a_killed_worker(reference: dict, tmp_path: object) -
     (recovered,) = events(run_url, "recovered")
     assert recovered["reused_workers"] == 2  # the survivor and the spare: no process was started
     assert_bitwise_equal(final_model(run_url), reference)
+
+
+def test_eight_ranks_one_killed_the_other_seven_keep_their_processes(
+    tmp_path: object, ray_local: None
+) -> None:
+    """Rank 5 dies inside the backward all-reduce: seven survivors, most of them waiting on live neighbours.
+    Every one leaves the failed collective and keeps its process; the result is bitwise the fault-free
+    run's (with more than 2 ranks that needs training.fixed_buckets, on by default)."""
+    eight = [
+        "scaling.num_workers=8",
+        "scaling.cpus_per_worker=0.5",
+        "training.epochs=1",
+        "training.max_steps_per_epoch=12",
+        "task_args.step_sleep_s=0",
+        "failures.hot_spare=false",
+    ]
+    storage = f"{tmp_path}/runs"
+    ref = train(
+        load_config("jobs/configs/tiny_cpu.yaml", overrides(storage, "ref8", *eight)), out=io.StringIO()
+    )
+    assert ref.status == "finished" and ref.attempts == 1
+    cfg = load_config(
+        "jobs/configs/tiny_cpu.yaml",
+        overrides(storage, "kill8", *eight, "failures.inject=[{rank: 5, step: 8, kind: crash_in_backward}]"),
+    )
+    result = train(cfg, out=io.StringIO())
+    assert result.status == "finished" and result.attempts == 2
+    run_url = result.run_url
+    first, second = events(run_url, "group_started")
+    assert second["resume_source"] == "peers"
+    assert [p for r, p in enumerate(first["pids"]) if r != 5] == [
+        p for r, p in enumerate(second["pids"]) if r != 5
+    ]
+    assert second["pids"][5] != first["pids"][5]
+    (recovered,) = events(run_url, "recovered")
+    assert recovered["source"] == "peers" and recovered["lost_steps"] <= 1
+    assert recovered["reused_workers"] == 7 and recovered["storage_reads"] == 0
+    latest = CheckpointStore(Storage(run_url)).load_latest()
+    want = CheckpointStore(Storage(ref.run_url)).load_latest()
+    assert latest is not None and want is not None and latest.info.step == want.info.step == 12
+    assert_bitwise_equal(latest.files["model.pt"], want.files["model.pt"])
