@@ -87,6 +87,7 @@ class RayWorkerGroup:
         self.world_size = 0
         self._pending: list[Any] = []
         self._adopted: dict[int, Any] = {}
+        self._beats: dict[int, Any] = {}  # rank -> heartbeat call not yet collected
         self.reused = 0
         self.spare: Any = None
         self._spare_ready: Any = None
@@ -229,12 +230,21 @@ class RayWorkerGroup:
         return list(ray.get(self._pending))
 
     def heartbeats(self, timeout: float = 2.0) -> list[Heartbeat | None]:
-        refs = [a.heartbeat.remote() for a in self.actors]
+        """One heartbeat per rank. A call that did not answer within ``timeout`` is not repeated but
+        collected by a later round: it carries rank 0's step rows, which must not be dropped."""
+        for rank, actor in enumerate(self.actors):
+            if rank not in self._beats:
+                self._beats[rank] = actor.heartbeat.remote()
+        refs = [self._beats[r] for r in range(len(self.actors))]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
         out: list[Heartbeat | None] = []
-        for ref in refs:
+        for rank, ref in enumerate(refs):
+            if ref not in ready:
+                out.append(None)
+                continue
+            del self._beats[rank]
             try:
-                out.append(ray.get(ref) if ref in ready else None)
+                out.append(ray.get(ref))
             except RayActorError:
                 out.append(None)
         return out
@@ -372,12 +382,16 @@ class RayWorkerGroup:
                 return list(result.step_rows)
         except (RayTaskError, RayActorError, GetTimeoutError):
             pass  # its epoch failed: the rows are still in its buffer
-        try:
-            beat: Heartbeat = ray.get(self.actors[0].heartbeat.remote(), timeout=5.0)
-            return list(beat.rows)
-        except Exception as exc:
-            logger.warning("rank 0's last step rows could not be collected: %s", _short(exc))
-            return []
+        rows: list[dict[str, Any]] = []
+        for ref in [self._beats.pop(0, None), self.actors[0].heartbeat.remote()]:
+            if ref is None:
+                continue
+            try:
+                beat: Heartbeat = ray.get(ref, timeout=5.0)
+                rows.extend(beat.rows)
+            except Exception as exc:
+                logger.warning("rank 0's last step rows could not be collected: %s", _short(exc))
+        return rows
 
     def spare_ready(self) -> float | None:
         """The seconds the hot spare took to prepare, once it has; None while it prepares or with no spare."""

@@ -110,18 +110,21 @@ def test_list_show_plot_on_a_real_run(
     assert "training.epochs: 2" in text and "checkpoint.every_steps: 5" in text
     assert f"global step {steps}" in text and f"latest verified step {steps}" in text
     failure_rows = text.split("failures (1)\n", 1)[1].split("\n\n", 1)[0].splitlines()
-    assert failure_rows[0].split()[:7] == [
+    assert failure_rows[0].split()[:10] == [
         "ATTEMPT",
         "KIND",
         "RANK",
         "STEP",
         "DECISION",
+        "SOURCE",
+        "RESUMED_AT",
         "RECOVERY_S",
         "LOST_STEPS",
+        "MOVED",
     ]
-    attempt, kind, rank, _step, decision, recovery_s, lost = failure_rows[1].split()[:7]
-    assert (attempt, kind, rank, decision) == ("0", "user_error", "1", "restart")
-    assert float(recovery_s) > 0 and int(lost) >= 0
+    attempt, kind, rank, step, decision, source, resumed, recovery_s, lost = failure_rows[1].split()[:9]
+    assert (attempt, kind, rank, decision, source) == ("0", "user_error", "1", "restart", "peers")
+    assert float(recovery_s) > 0 and int(lost) <= 1 and int(resumed) >= int(step) - 1
     assert "RuntimeError" in failure_rows[1]
     section = text.split("checkpoints (3 committed)\n", 1)[1].split("\n\n", 1)[0].splitlines()
     assert [int(r.split()[0]) for r in section[1:]] == ckpt_steps

@@ -19,6 +19,7 @@ import torch
 from cluster import load_config, train
 from cluster.checkpoint import CheckpointStore
 from cluster.errors import TrainingFailedError
+from cluster.metrics import read_metrics
 from cluster.storage import Storage
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
@@ -166,6 +167,10 @@ def test_killed_worker_recovers_bitwise_equal(reference: dict, tmp_path: object,
         assert recovered["bytes"] > 0
         # every survivor kept its process: only the dead rank's pid changed
         dead = result.failures[0]["rank"]
+        if dead != 0:  # rank 0 survived: every step row it logged reached the metrics, none twice
+            table = read_metrics(Storage(run_url)).to_pydict()
+            steps = [g for g, k in zip(table["global_step"], table["kind"]) if k == "step"]
+            assert sorted(steps) == list(range(1, EPOCHS * STEPS + 1))
         assert [p for r, p in enumerate(first["pids"]) if r != dead] == [
             p for r, p in enumerate(second["pids"]) if r != dead
         ]
@@ -203,6 +208,8 @@ def test_hang_is_detected_by_heartbeat_and_recovered(reference: dict, tmp_path: 
     run_url = result.run_url
     failure = events(run_url, "failure")[0]
     assert "no progress" in failure["message"]
+    (recovered,) = events(run_url, "recovered")
+    assert recovered["source"] == "checkpoint" and "hang" in recovered["fallback"]
     started = events(run_url, "group_started")[0]["time"]
     # detected by the 3 s heartbeat timeout, long before the 120 s process-group timeout would fire
     assert failure["time"] - started < 30

@@ -91,3 +91,19 @@ def test_flatten_round_trips_and_buckets_split_by_dtype_and_size() -> None:
     big = int(BUCKET_BYTES // 4 * 0.6)
     many = _buckets(_slots(_flatten([torch.empty(0)] + [torch.empty(big)] * 3)[0]))
     assert [len(b) for b in many] == [1, 1, 1]  # 0.6 + 0.6 > one bucket
+
+
+def test_a_sharded_optimizer_is_reported_unsendable(tmp_path: object) -> None:
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from cluster.worker import _unsendable
+
+    model = torch.nn.Linear(2, 2)
+    assert _unsendable(torch.optim.AdamW(model.parameters())) == ""
+    dist.init_process_group("gloo", store=dist.FileStore(f"{tmp_path}/store", 1), rank=0, world_size=1)
+    try:
+        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+        assert "shards the optimizer state" in _unsendable(zero)
+    finally:
+        dist.destroy_process_group()
