@@ -314,8 +314,8 @@ class RayWorkerGroup:
         if self.pg is None or not self._pending:
             return None
         dead = {r for r, e in self._errors(0.0).items() if isinstance(e, RayActorError)}
-        if failure.kind == "worker_died" and failure.rank is not None:
-            dead.add(failure.rank)
+        if failure.rank is not None and (failure.kind == "worker_died" or self.cfg.scaling.use_gpu):
+            dead.add(failure.rank)  # on a GPU the raising rank's CUDA context may be broken: never reused
         for r in dead:
             _kill(self.actors[r], f"rank {r}")  # a dead process's sockets close: its peers' collectives fail
         alive = [r for r in range(len(self.actors)) if r not in dead]
