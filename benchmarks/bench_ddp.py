@@ -835,7 +835,7 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.repeats):
             order = arms[rep % len(arms) :] + arms[: rep % len(arms)]  # rotate so noise is not one arm's
             for arm in order:
-                work = os.path.join(scratch, f"{rep}{arm[0]}")
+                work = os.path.join(scratch, f"{rep}{arm}")
                 os.makedirs(work)
                 spec = make_spec(
                     work,

@@ -308,6 +308,7 @@ class RayWorkerGroup:
         (each reports a :class:`PeerState`), else reset. A survivor that does not come out within
         :data:`RELEASE_S` is killed; the hot spare takes a single dead rank's place. None when nothing is
         kept."""
+        t0 = time.perf_counter()
         fcfg = self.cfg.failures
         if not fcfg.warm_restart or failure.kind not in ("worker_died", "user_error"):
             return None
@@ -331,7 +332,9 @@ class RayWorkerGroup:
                 logger.warning(
                     "rank %d did not leave the failed collective within %gs: not kept", r, RELEASE_S
                 )
+        t_out = time.perf_counter()
         rows = self._rank0_rows() if 0 in out else []
+        t_rows = time.perf_counter()
         keep_state = fcfg.recover_from_peers
         calls: dict[int, Any] = {}
         for r in out:
@@ -361,6 +364,13 @@ class RayWorkerGroup:
                 kept[r] = actors[r]
                 if isinstance(state, PeerState):
                     peers[r] = state
+        logger.debug(
+            "salvage: survivors out %.3fs, rank 0's rows %.3fs, %s %.3fs",
+            t_out - t0,
+            t_rows - t_out,
+            "released" if keep_state else "reset",
+            time.perf_counter() - t_rows,
+        )
         self._kill_spare()
         for r, actor in actors.items():
             if r not in kept:
