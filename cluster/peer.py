@@ -174,12 +174,18 @@ class Transfer:
 
     nbytes: int
     seconds: float
+    """Seconds of the tensor data's broadcast (after every rank arrived)."""
+    wait_s: float
+    """Seconds until every rank of the group arrived (the structure's broadcast)."""
     collectives: int
 
 
-def broadcast_state(state: Any, src: int, device: torch.device) -> tuple[Any, Transfer]:
-    """Send ``state`` (a nested dict of tensors and plain values; only read on rank ``src``) from ``src`` to
-    every rank of the default process group; return the state (the source gets its own back) and what moved.
+def broadcast_state(
+    state: Any, src: int, device: torch.device, group: dist.ProcessGroup | None = None
+) -> tuple[Any, Transfer]:
+    """Send ``state`` (a nested dict of tensors and plain values; only read on rank ``src``) from ``src`` (a
+    global rank) to every rank of ``group`` (default: the whole default group); return the state (the source
+    gets its own back) and what moved.
 
     The structure travels once (``broadcast_object_list``); tensors travel on ``device`` (the process
     group's: the GPU under NCCL) in flat buffers of one dtype each, at most :data:`BUCKET_BYTES` large. The
@@ -192,7 +198,8 @@ def broadcast_state(state: Any, src: int, device: torch.device) -> tuple[Any, Tr
     if rank == src:
         skeleton, tensors = _flatten(state)
         box = [skeleton]
-    dist.broadcast_object_list(box, src=src, device=device if device.type == "cuda" else None)
+    dist.broadcast_object_list(box, src=src, group=group, device=device if device.type == "cuda" else None)
+    t_arrived = time.perf_counter()
     skeleton = box[0]
     slots = _slots(skeleton)
     out: list[torch.Tensor | None] = [None] * len(slots)
@@ -205,7 +212,7 @@ def broadcast_state(state: Any, src: int, device: torch.device) -> tuple[Any, Tr
             flat = torch.cat([tensors[s.index].reshape(-1).to(device) for s in bucket])
         else:
             flat = torch.empty(sum(sizes), dtype=dtype, device=device)
-        dist.broadcast(flat, src=src)
+        dist.broadcast(flat, src=src, group=group)
         collectives += 1
         nbytes += flat.numel() * flat.element_size()
         if rank == src:
@@ -213,14 +220,15 @@ def broadcast_state(state: Any, src: int, device: torch.device) -> tuple[Any, Tr
         for slot, part in zip(bucket, torch.split(flat, sizes)):
             t = part.view(slot.shape)  # a view into the received buffer: no copy
             out[slot.index] = t.cpu() if slot.on_cpu else t
+    moved = Transfer(nbytes, time.perf_counter() - t_arrived, t_arrived - t0, collectives)
     if rank == src:
-        return state, Transfer(nbytes, time.perf_counter() - t0, collectives)
+        return state, moved
     for slot in slots:  # zero-element tensors travel in no bucket
         if out[slot.index] is None:
             where = torch.device("cpu") if slot.on_cpu else device
             out[slot.index] = torch.empty(slot.shape, dtype=slot.dtype, device=where)
     received = [t for t in out if t is not None]
-    return _unflatten(skeleton, received), Transfer(nbytes, time.perf_counter() - t0, collectives)
+    return _unflatten(skeleton, received), moved
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -36,7 +36,7 @@ from cluster.checkpoint import CheckpointStore, CheckpointWriter, CommitRecord, 
 from cluster.config import FaultSpec, JobConfig, parse_fault_env
 from cluster.data import ResumableDistributedSampler, fetch_batch
 from cluster.errors import CheckpointError, WorkerError
-from cluster.peer import PeerPlan, PeerState, broadcast_state, state_digest
+from cluster.peer import PeerPlan, PeerState, Transfer, broadcast_state, state_digest
 from cluster.process import set_niceness, tune_process
 from cluster.storage import PROBE_ENV, Storage, check_probe
 from cluster.task import StepInfo, Task, build_task
@@ -351,17 +351,35 @@ class Worker:
         """Every rank of the new group: rank ``plan.source`` broadcasts its state, the ranks that do not hold
         it load it, and every rank checks it now holds the state the plan names."""
         holder = self.rank in plan.holders
-        mine = None
-        if self.rank == plan.source:
-            mine = self._payload(raw_model, self._train_state_of(optimizer, scheduler))
-        payload, moved = broadcast_state(mine, plan.source, device)
-        ts = TrainState.from_state_dict(payload["train_state"], f"the state sent by rank {plan.source}")
-        if not holder:
-            raw_model.load_state_dict(payload["model"])
-            optimizer.load_state_dict(ts.optimizer)
-            if scheduler is not None and ts.scheduler is not None:
-                scheduler.load_state_dict(ts.scheduler)
-        self.global_step, self.epoch, self.step_in_epoch = ts.global_step, ts.epoch, ts.step_in_epoch
+        # Only the ranks that lack the state take part: the source and those not holding it (a group of
+        # those; every rank of the default group must create it).
+        takers = sorted({plan.source, *(r for r in range(self.world_size) if r not in plan.holders)})
+        group = dist.new_group(takers) if len(takers) < self.world_size else None
+        moved = Transfer(0, 0.0, 0.0, 0)
+        ts = None
+        if self.rank in takers:
+            mine = None
+            if self.rank == plan.source:
+                mine = self._payload(raw_model, self._train_state_of(optimizer, scheduler))
+            payload, moved = broadcast_state(mine, plan.source, device, group)
+            ts = TrainState.from_state_dict(payload["train_state"], f"the state sent by rank {plan.source}")
+            if not holder:
+                raw_model.load_state_dict(payload["model"])
+                optimizer.load_state_dict(ts.optimizer)
+                if scheduler is not None and ts.scheduler is not None:
+                    scheduler.load_state_dict(ts.scheduler)
+                self.global_step, self.epoch, self.step_in_epoch = ts.global_step, ts.epoch, ts.step_in_epoch
+            del payload
+        if group is not None and self.rank in takers:
+            dist.destroy_process_group(group)
+        if holder and (self.global_step, self.epoch, self.step_in_epoch) != (
+            plan.global_step,
+            plan.epoch,
+            plan.step_in_epoch,
+        ):
+            raise RuntimeError(
+                f"rank {self.rank} holds step {self.global_step}, the plan says {plan.global_step}"
+            )
         digest, _ = state_digest(self._payload(raw_model, self._train_state_of(optimizer, scheduler)))
         if digest != plan.digest:
             raise RuntimeError(
@@ -369,11 +387,11 @@ class Worker:
                 f"which reported {plan.digest[:12]}: the peer copy is not exact"
             )
         return ResumePoint(
-            ts.global_step,
-            ts.epoch,
-            ts.step_in_epoch,
+            plan.global_step,
+            plan.epoch,
+            plan.step_in_epoch,
             None,
-            ts.world_size,
+            ts.world_size if ts is not None else self.world_size,
             source="peers",
             peer_source=plan.source,
             nbytes=0 if self.rank == plan.source else moved.nbytes,
