@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import socket
 import statistics
@@ -39,7 +40,7 @@ def _model(gib: float) -> Any:
 
     width = 4096
     per_layer = width * width + width
-    layers = max(1, round(gib * (1 << 30) / (3 * 4 * per_layer)))  # weights + 2 AdamW moments, float32
+    layers = max(1, math.ceil(gib * (1 << 30) / (3 * 4 * per_layer)))  # weights + 2 AdamW moments, float32
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
 
