@@ -465,6 +465,7 @@ _TRAINING_MODULES = (
     "dist.py",
     "errors.py",
     "group.py",
+    "peer.py",
     "process.py",
     "storage.py",
     "task.py",
