@@ -85,14 +85,9 @@ class TrainingConfig:
     log_every_steps: int = 10
     """Record per-step metrics (loss, lr, step time) every this many steps."""
     fixed_buckets: bool = True
-    """Keep DDP's first gradient-bucket layout for the whole run (``find_unused_parameters=True``, which
-    turns off DDP's bucket rebuild after the first step). With more than 2 ranks the order in which an
-    all-reduce sums a gradient element depends on its place in its bucket, and a restarted DDP would sum one
-    step in another order: this keeps a resumed run bitwise equal to an uninterrupted one at any world
-    size, at the cost of a walk of the autograd graph per step (within noise on the benchmark model); DDP
-    warns once per rank that it found no unused parameter, which is expected. ``false``: DDP's default
-    (buckets rebuilt in gradient-ready order after the first step; resume bitwise exact at 2 ranks, equal
-    to rounding beyond)."""
+    """Keep DDP's first gradient-bucket layout all run (``find_unused_parameters=True``: no bucket rebuild),
+    so a resumed run is bitwise equal to an uninterrupted one beyond 2 ranks (docs/performance.md).
+    ``false``: DDP's default."""
 
 
 @dataclass
@@ -152,12 +147,9 @@ class FailureConfig:
     job does not use, so the spare never slows training; ``true``: always; ``false``: never. Not used
     for GPU jobs (a GPU is bound to its process)."""
     recover_from_peers: bool = True
-    """After a worker dies or raises, the surviving workers keep their model and optimizer state in memory
-    and one of them sends it to the replacement over the new process group: at most the step in flight is
-    lost and nothing is read from storage. Falls back to the latest verified checkpoint when no healthy
-    survivor is left, the survivors disagree, after a hang or a lost node, or when the state cannot be sent
-    from one rank. ``false``: always resume from the latest checkpoint. Needs ``warm_restart`` (the
-    survivors' processes hold the state)."""
+    """After a worker dies or raises, a survivor sends its in-memory state to the replacement: at most one
+    step lost, nothing read from storage. Falls back to the latest checkpoint when it cannot be trusted
+    (docs/failures.md). Needs ``warm_restart``."""
     process_group_timeout_s: float = 300.0
     """Timeout of collectives in the process group (init_process_group ``timeout``)."""
     inject: list[FaultSpec] = field(default_factory=list)

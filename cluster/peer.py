@@ -135,37 +135,33 @@ class _Slot:
     on_cpu: bool
 
 
+def _map(obj: Any, leaf: Any) -> Any:
+    """``obj`` with every leaf (anything but a dict, list or tuple) replaced by ``leaf(x)``, in a fixed
+    order: dicts in their order, sequences front to back."""
+    if isinstance(obj, dict):
+        return type(obj)((k, _map(v, leaf)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [_map(v, leaf) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_map(v, leaf) for v in obj)
+    return leaf(obj)
+
+
 def _flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
+    """(the structure with each tensor replaced by its :class:`_Slot`, the tensors in slot order)."""
     tensors: list[torch.Tensor] = []
 
-    def walk(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            tensors.append(x.detach())
-            return _Slot(len(tensors) - 1, tuple(x.shape), x.dtype, x.device.type == "cpu")
-        if isinstance(x, dict):
-            return type(x)((k, walk(v)) for k, v in x.items())
-        if isinstance(x, list):
-            return [walk(v) for v in x]
-        if isinstance(x, tuple):
-            return tuple(walk(v) for v in x)
-        return x
+    def slot(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        tensors.append(x.detach())
+        return _Slot(len(tensors) - 1, tuple(x.shape), x.dtype, x.device.type == "cpu")
 
-    return walk(obj), tensors
+    return _map(obj, slot), tensors
 
 
 def _unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
-    def walk(x: Any) -> Any:
-        if isinstance(x, _Slot):
-            return tensors[x.index]
-        if isinstance(x, dict):
-            return type(x)((k, walk(v)) for k, v in x.items())
-        if isinstance(x, list):
-            return [walk(v) for v in x]
-        if isinstance(x, tuple):
-            return tuple(walk(v) for v in x)
-        return x
-
-    return walk(skeleton)
+    return _map(skeleton, lambda x: tensors[x.index] if isinstance(x, _Slot) else x)
 
 
 @dataclass(frozen=True)
@@ -240,18 +236,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _slots(skeleton: Any) -> list[_Slot]:
     found: list[_Slot] = []
-
-    def walk(x: Any) -> None:
-        if isinstance(x, _Slot):
-            found.append(x)
-        elif isinstance(x, dict):
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-
-    walk(skeleton)
+    _map(skeleton, lambda x: found.append(x) if isinstance(x, _Slot) else None)
     return sorted(found, key=lambda s: s.index)
 
 
