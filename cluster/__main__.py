@@ -25,6 +25,7 @@ import yaml
 
 from cluster import docs, inspect, plot
 from cluster.errors import StorageError
+from cluster.storage import url_problem
 
 
 def _options(pairs: list[str]) -> dict[str, Any]:
@@ -98,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stdout.write(docs.config_reference())
             return 0
         options = _options(args.option)
+        problem = url_problem(args.url, "URL")
+        if problem is not None:
+            return _error(f"error: {problem}", 2)
         if args.command == "list":
             runs = inspect.list_runs(args.url, options, verify=not args.no_verify)
             print(json.dumps([asdict(r) for r in runs], indent=1) if args.json else inspect.format_list(runs))

@@ -17,6 +17,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from cluster.errors import ConfigError
+from cluster.storage import url_problem
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _TASK_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -25,8 +26,9 @@ _TASK_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 @dataclass
 class StorageConfig:
     url: str = "./runs"
-    """Where runs live: a local folder or any fsspec URL (``s3://bucket/prefix``, ``gs://...``,
-    ``memory://...``). A run writes under ``<url>/<name>/``. Multi-node jobs need storage every node sees."""
+    """Where runs live: a local folder or a writable fsspec URL (``s3://bucket/prefix`` with the ``s3``
+    extra, ``gs://...`` with ``gcs``, ``abfs://...`` with ``azure``). A run writes under ``<url>/<name>/``.
+    Multi-node jobs need storage every node sees. A local folder with a colon in its name: ``./a:b``."""
     options: dict[str, Any] = field(default_factory=dict)
     """fsspec ``storage_options`` (credentials, ``endpoint_url``...). Never written to logs or run.json."""
 
@@ -361,10 +363,9 @@ def validate(cfg: JobConfig) -> None:
         )
     if not _TASK_RE.match(cfg.task):
         raise ConfigError(f"task={cfg.task!r} must be an import path like 'package.module:ClassName'")
-    if not cfg.storage.url.strip():
-        raise ConfigError(
-            "storage.url is empty; set it to a folder or an fsspec URL such as s3://bucket/runs"
-        )
+    problem = url_problem(cfg.storage.url)
+    if problem is not None:
+        raise ConfigError(problem)
     s, t, c, f = cfg.scaling, cfg.training, cfg.checkpoint, cfg.failures
     if s.num_workers < 1:
         raise ConfigError(f"scaling.num_workers={s.num_workers} must be at least 1")

@@ -701,15 +701,27 @@ def check_cluster(cfg: JobConfig) -> None:
         )
 
 
+def preflight(cfg: JobConfig) -> None:
+    """Checks that need no Ray and write nothing, run before Ray starts: the task imports, and the storage
+    is one that the workers (other processes, often other machines) can see."""
+    from cluster.task import load_task_class
+
+    load_task_class(cfg.task)  # an unknown task is a config error, found before anything starts
+    if cfg.storage.url.strip().lower().startswith("memory://"):
+        raise ConfigError(
+            f"storage.url={cfg.storage.url!r}: memory:// lives inside one process, and the workers are Ray "
+            "actors in other processes that would each see an empty store; use a local folder (./runs), "
+            "a shared mount, or an object store (s3://, gs://)"
+        )
+
+
 def train(cfg: JobConfig, out: TextIO | None = None) -> Result:
     """Run (or resume) the job described by ``cfg`` to completion and return its Result.
 
     Uses the Ray cluster in ``RAY_ADDRESS`` or an already initialised one; otherwise starts an embedded
     local Ray and shuts it down afterwards.
     """
-    from cluster.task import load_task_class
-
-    load_task_class(cfg.task)  # an unknown task is a config error, found before anything starts
+    preflight(cfg)
     started = ensure_ray(cfg)
     try:
         check_cluster(cfg)

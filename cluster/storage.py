@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 
 import fsspec
 from fsspec.core import url_to_fs
+from fsspec.registry import known_implementations
+from fsspec.registry import registry as registered_protocols
 
 from cluster.errors import StorageError
 
@@ -50,6 +52,100 @@ _DENIED_NAMES = (
     "InvalidAccessKeyId",
     "SignatureDoesNotMatch",
 )
+
+
+PIP_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "abfs": "azure", "az": "azure"}
+"""fsspec protocol -> this package's pip extra that installs its backend."""
+
+_NOT_STORAGE = {
+    "http": "read-only over HTTP",
+    "https": "read-only over HTTP",
+    "zip": "an archive (read-only)",
+    "tar": "an archive (read-only)",
+    "libarchive": "an archive (read-only)",
+    "data": "an inline data URL (read-only)",
+    "github": "read-only",
+    "gist": "read-only",
+    "git": "read-only",
+    "reference": "a read-only reference set",
+    "blockcache": "a cache layer, not storage",
+    "cached": "a cache layer, not storage",
+    "filecache": "a cache layer, not storage",
+    "simplecache": "a cache layer, not storage",
+    "dask": "a view of dask workers' disks, not shared storage",
+    "generic": "not a storage backend",
+}
+_SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):(.*)$", re.S)
+_LOCAL_PROTOCOLS = ("file", "local")
+
+
+def url_problem(url: str, key: str = "storage.url") -> str | None:
+    """Why ``url`` cannot hold runs, naming the fix; None when it can. Pure syntax plus an import check of
+    the protocol's fsspec backend: nothing is created or contacted. Messages never repeat credentials."""
+    u = url.strip()
+    if not u:
+        return f"{key} is empty; set it to a folder or an fsspec URL such as s3://bucket/runs"
+    if "::" in u:
+        return f"{key}={u!r} chains fsspec protocols ('::'); give one protocol, e.g. s3://bucket/runs"
+    if "://" not in u:
+        m = _SCHEME_RE.match(u)
+        if m is None or os.path.exists(os.path.expanduser(u)):
+            return None
+        scheme, rest = m.groups()
+        if scheme.lower() in known_implementations or rest.startswith("/"):
+            example = f"{scheme}://{rest.lstrip('/') or 'bucket/runs'}"
+            return (
+                f"{key}={u!r} is not a URL: '{scheme}:' must be followed by '//' (write {example}); "
+                f"for a local folder with a colon in its name, write ./{u}"
+            )
+        return (
+            f"{key}={u!r} looks like a URL with protocol {scheme!r} but has no '//', and no such local folder "
+            f"exists; write a URL such as s3://bucket/runs, or ./{u} for a new local folder of that name"
+        )
+    scheme, _, rest = u.partition("://")
+    proto = scheme.lower()
+    host = rest.split("/", 1)[0]
+    if "@" in host:
+        shown = f"{scheme}://***@{host.rsplit('@', 1)[1]}/..."
+        return (
+            f"{key}={shown} has credentials in it; remove them from the URL and give them in "
+            "storage.options (key/secret, token) or the environment (AWS_ACCESS_KEY_ID, "
+            "GOOGLE_APPLICATION_CREDENTIALS): URLs are logged and written to run.json, options are not"
+        )
+    if proto in _LOCAL_PROTOCOLS:
+        if not rest.strip("/"):
+            return f"{key}={u!r} names no folder; write {scheme}:///absolute/path or a plain path"
+        return None
+    if proto not in known_implementations and proto not in registered_protocols:
+        return (
+            f"{key}={u!r}: unknown storage protocol {scheme!r}; use a local folder or an fsspec URL "
+            "(s3://, gs://, abfs://, ...); see fsspec's known_implementations"
+        )
+    if proto in _NOT_STORAGE:
+        return (
+            f"{key}={u!r}: {scheme}:// is {_NOT_STORAGE[proto]}, and a run must write checkpoints; use a "
+            "local folder, a shared mount, or an object store (s3://, gs://, abfs://)"
+        )
+    if proto == "memory":
+        if not rest.strip("/"):
+            return f"{key}={u!r} names no folder; write memory://NAME"
+        return None
+    if not host:
+        return (
+            f"{key}={u!r} names no bucket or host after '{scheme}://'; write {scheme}://BUCKET/prefix "
+            f"(e.g. {scheme}://my-bucket/runs)"
+        )
+    try:
+        fsspec.get_filesystem_class(proto)
+    except ImportError as exc:
+        extra = PIP_EXTRAS.get(proto)
+        fix = (
+            f"pip install 'cluster[{extra}]'"
+            if extra
+            else f"install its fsspec backend ({known_implementations.get(proto, {}).get('err') or exc})"
+        )
+        return f"{key}={u!r}: the fsspec backend for {scheme}:// is not installed; {fix}"
+    return None
 
 
 def normalize_url(url: str) -> str:
@@ -111,6 +207,9 @@ class Storage:
         self.retries = RETRIES if retries is None else retries
         self.backoff_s = BACKOFF_S if backoff_s is None else backoff_s
         self.retry_budget_s = RETRY_BUDGET_S if retry_budget_s is None else retry_budget_s
+        problem = url_problem(root, "storage")
+        if problem is not None:
+            raise StorageError(problem)
         try:
             fs, path = url_to_fs(self.root, **self.options)
         except (ImportError, ValueError) as exc:

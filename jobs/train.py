@@ -27,8 +27,7 @@ import signal
 import sys
 
 from cluster import ClusterError, ConfigError, load_config, local_ray, train
-from cluster.driver import ensure_ray, result_to_json
-from cluster.task import load_task_class
+from cluster.driver import ensure_ray, preflight, result_to_json
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     try:
-        load_task_class(cfg.task)  # an unknown task is a config error, found before Ray starts
+        preflight(cfg)  # an unknown task or storage the workers cannot see, found before Ray starts
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

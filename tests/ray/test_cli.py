@@ -199,3 +199,33 @@ def test_errors_are_one_line_with_exit_2(tmp_path: pathlib.Path) -> None:
     assert out.stdout.strip().splitlines()[1].split()[:5] == ["young", "running/interrupted", "0/4", "0", "-"]
     assert_one_line_error(cli("plot", str(run), "--out", str(tmp_path / "p.png")), 2, "no metrics yet")
     assert_one_line_error(cli("list", str(tmp_path / "runs"), "-o", "novalue"), 2, "key=value")
+
+
+BAD_URLS = [
+    ("s3://", "names no bucket or host"),
+    ("s3:/bucket/runs", "'s3:' must be followed by '//'"),
+    ("nosuchproto://bucket/runs", "unknown storage protocol"),
+    ("abfs://container/runs", "pip install 'cluster[azure]'"),
+    ("s3://AKIAXX:hunter2hunter2@bucket/runs", "has credentials in it"),
+    ("memory://runs", "memory:// lives inside one process"),
+    ("runs:v2", "./runs:v2"),
+]
+
+
+@pytest.mark.parametrize(("url", "fragment"), BAD_URLS, ids=[u for u, _ in BAD_URLS])
+def test_job_with_a_bad_storage_url_exits_2_before_ray(tmp_path: pathlib.Path, url: str, fragment: str) -> None:
+    """`python -m jobs.train` as a user runs it: exit 2, one line naming the fix, nothing written. RAY_ADDRESS
+    points at a port where no Ray listens, so reaching ray.init would end in a connection error instead."""
+    env = {**os.environ, "PYTHONPATH": REPO, "RAY_ADDRESS": "127.0.0.1:9", "RAY_AUTH_MODE": "disabled"}
+    cmd = [sys.executable, "-m", "jobs.train", "--config", f"{REPO}/jobs/configs/tiny_cpu.yaml"]
+    out = subprocess.run(
+        [*cmd, "--set", f"storage={url}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90
+    )
+    assert_one_line_error(out, 2, "config error: storage.url", fragment)
+    assert "hunter2" not in out.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_show_with_a_malformed_url_is_one_line_exit_2() -> None:
+    assert_one_line_error(cli("show", "s3:/bucket/runs/x"), 2, "'s3:' must be followed by '//'")
+    assert_one_line_error(cli("list", "s3://"), 2, "names no bucket or host")

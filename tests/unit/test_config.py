@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import pytest
 
 from cluster.config import JobConfig, field_docs, load_config, parse_fault_env
@@ -9,7 +12,7 @@ from cluster.errors import ConfigError
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
-TINY = "jobs/configs/tiny_cpu.yaml"
+TINY = os.path.abspath("jobs/configs/tiny_cpu.yaml")
 
 BAD = [
     (["trainig.epochs=3"], "unknown key 'trainig'"),
@@ -36,6 +39,19 @@ BAD = [
     (["name=s3://bucket/x"], "is not a valid run name"),
     (["task=not a path"], "must be an import path"),
     (["storage="], "storage.url is empty"),
+    # malformed or unsupported storage URLs: one line naming the fix, before anything starts
+    (["storage=s3://"], "names no bucket or host after 's3://'; write s3://BUCKET/prefix"),
+    (["storage=gs:///runs"], "names no bucket or host after 'gs://'"),
+    (["storage=s3:/bucket/runs"], "'s3:' must be followed by '//' (write s3://bucket/runs)"),
+    (["storage=s3:bucket"], "'s3:' must be followed by '//'"),
+    (["storage=nosuchproto://bucket/runs"], "unknown storage protocol 'nosuchproto'"),
+    (["storage=abfs://container/runs"], "backend for abfs:// is not installed; pip install 'cluster[azure]'"),
+    (["storage=s3://AKIAXX:hunter2hunter2@bucket/runs"], "has credentials in it; remove them from the URL"),
+    (["storage=https://example.com/runs"], "https:// is read-only over HTTP"),
+    (["storage=simplecache::s3://bucket/runs"], "chains fsspec protocols"),
+    (["storage=file://"], "names no folder"),
+    (["storage=memory://"], "names no folder; write memory://NAME"),
+    (["storage=runs:v2"], "or ./runs:v2 for a new local folder of that name"),
     (["failures.inject=[{rank: 5, step: 3}]"], "failures.inject[0].rank=5 is not a rank of this job"),
     (
         ["failures.inject=[{rank: 0, step: 3, kind: explode}]"],
@@ -55,6 +71,20 @@ def test_bad_input_is_one_clear_error(overrides: list[str], message: str) -> Non
     with pytest.raises(ConfigError) as info:
         load_config(TINY, overrides)
     assert message in str(info.value)
+
+
+def test_credentials_never_echoed() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, ["storage=s3://AKIAXX:hunter2hunter2@bucket/runs"])
+    assert "hunter2" not in str(info.value) and "AKIAXX" not in str(info.value)
+
+
+def test_local_path_with_a_colon(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A colon in a local folder's name is allowed when the folder exists or the path starts with ./"""
+    monkeypatch.chdir(tmp_path)
+    assert load_config(TINY, ["storage=./runs:v2"]).storage.url == "./runs:v2"
+    os.mkdir(tmp_path / "old:runs")
+    assert load_config(TINY, ["storage=old:runs"]).storage.url == "old:runs"
 
 
 def test_missing_file_and_bad_yaml(tmp_path: object) -> None:
