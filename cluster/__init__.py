@@ -25,9 +25,11 @@ from cluster.errors import (
     TrainingFailedError,
     WorkerError,
 )
+from cluster.load import Checkpoint, load_checkpoint, load_model
 from cluster.task import Task
 
 __all__ = [
+    "Checkpoint",
     "CheckpointConfig",
     "CheckpointError",
     "ClusterError",
@@ -48,7 +50,9 @@ __all__ = [
     "TrainingConfig",
     "TrainingFailedError",
     "WorkerError",
+    "load_checkpoint",
     "load_config",
+    "load_model",
     "read_parquet",
     "train",
 ]

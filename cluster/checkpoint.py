@@ -123,10 +123,10 @@ class CheckpointStore:
         return out
 
     def _info(self, step: int) -> CheckpointInfo | None:
-        info, _ = self._read_manifest(step)
+        info, _ = self.read_manifest(step)
         return info
 
-    def _read_manifest(self, step: int) -> tuple[CheckpointInfo | None, str]:
+    def read_manifest(self, step: int) -> tuple[CheckpointInfo | None, str]:
         """The checkpoint at ``step``, or None and why it does not count as committed."""
         d = step_dir(step)
         url = self.storage.url(d)
@@ -167,7 +167,7 @@ class CheckpointStore:
         for step in reversed(self.steps_on_storage()):
             if max_step is not None and step > max_step:
                 continue
-            info, why = self._read_manifest(step)
+            info, why = self.read_manifest(step)
             if info is None:
                 skipped.append((step, why))
                 continue

@@ -99,8 +99,9 @@ def url_problem(url: str, key: str = "storage.url") -> str | None:
                 f"for a local folder with a colon in its name, write ./{u}"
             )
         return (
-            f"{key}={u!r} looks like a URL with protocol {scheme!r} but has no '//', and no such local folder "
-            f"exists; write a URL such as s3://bucket/runs, or ./{u} for a new local folder of that name"
+            f"{key}={u!r} looks like a URL with protocol {scheme!r} but has no '//', and no such local "
+            f"folder exists; write a URL such as s3://bucket/runs, or ./{u} for a new local folder of "
+            "that name"
         )
     scheme, _, rest = u.partition("://")
     proto = scheme.lower()

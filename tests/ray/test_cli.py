@@ -213,7 +213,9 @@ BAD_URLS = [
 
 
 @pytest.mark.parametrize(("url", "fragment"), BAD_URLS, ids=[u for u, _ in BAD_URLS])
-def test_job_with_a_bad_storage_url_exits_2_before_ray(tmp_path: pathlib.Path, url: str, fragment: str) -> None:
+def test_job_with_a_bad_storage_url_exits_2_before_ray(
+    tmp_path: pathlib.Path, url: str, fragment: str
+) -> None:
     """`python -m jobs.train` as a user runs it: exit 2, one line naming the fix, nothing written. RAY_ADDRESS
     points at a port where no Ray listens, so reaching ray.init would end in a connection error instead."""
     env = {**os.environ, "PYTHONPATH": REPO, "RAY_ADDRESS": "127.0.0.1:9", "RAY_AUTH_MODE": "disabled"}

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from cluster import load_config, train
+from cluster import load_checkpoint, load_config, load_model, train
 from cluster.checkpoint import CheckpointStore
 from cluster.storage import Storage
 from jobs.tasks.charlm import CharLMTask
@@ -46,6 +46,11 @@ def test_tiny_job_trains_checkpoints_and_resumes(ray_local: None, tiny_overrides
     state = torch.load(f"{latest.info.url}/model.pt", weights_only=True)
     model.load_state_dict(state)
     assert torch.equal(model.state_dict()["head.weight"], latest.files["model.pt"]["head.weight"])
+    # ... and in one call: the run's own task builds the model, the latest verified weights are loaded
+    loaded = load_model(first.run_url)
+    assert type(loaded) is type(model)
+    assert all(torch.equal(v, state[k]) for k, v in loaded.state_dict().items())
+    assert load_checkpoint(first.run_url).train_state["global_step"] == first.global_step
 
     # same name and storage, more epochs: resumes and trains only the new epoch
     second = train(

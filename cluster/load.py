@@ -1,0 +1,134 @@
+"""Load a run's result in one call: ``load_checkpoint`` (the verified state) and ``load_model`` (the task's
+model with that state). Any fsspec URL; no Ray.
+
+    from cluster import load_checkpoint, load_model
+    ckpt = load_checkpoint("./runs/tiny-cpu")            # latest verified checkpoint
+    ckpt = load_checkpoint("s3://bucket/runs/tiny-cpu", step=400)
+    model = load_model("./runs/tiny-cpu")                # the run's Task builds it; weights loaded
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from cluster.checkpoint import CKPT_DIR, CheckpointStore, deserialize
+from cluster.errors import CheckpointError, ConfigError
+from cluster.storage import Storage, url_problem
+
+logger = logging.getLogger(__name__)
+
+_STEP_URL = re.compile(rf"^(?P<run>.+)/{CKPT_DIR}/step_(?P<step>\d+)/?$")
+
+
+@dataclass
+class Checkpoint:
+    """One verified checkpoint of a run (every file's size and sha256 checked against its manifest)."""
+
+    run_url: str
+    step: int
+    epoch: int
+    url: str
+    model: dict[str, Any]
+    """The model's state dict (unwrapped: no ``module.`` prefix), tensors on CPU."""
+    train_state: dict[str, Any]
+    """Optimizer, scheduler, position in the data (epoch, step in epoch) and seed, as a resume reads it."""
+    manifest: dict[str, Any]
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+    """(step, reason) of newer checkpoints passed over because they are torn or corrupt."""
+
+
+def _open(url_or_run: str, storage_options: dict[str, Any] | None) -> tuple[Storage, int | None]:
+    """The run's storage, and the step when the URL names one checkpoint folder."""
+    problem = url_problem(url_or_run, "url")
+    if problem is not None:
+        raise ConfigError(problem)
+    step = None
+    m = _STEP_URL.match(url_or_run.rstrip("/"))
+    if m is not None:
+        url_or_run, step = m["run"], int(m["step"])
+    storage = Storage(url_or_run, storage_options)
+    if not storage.exists("run.json") and not storage.listdir(CKPT_DIR):
+        raise CheckpointError(
+            f"{storage.root} is not a run: it has neither run.json nor {CKPT_DIR}/; pass the run's folder "
+            "(<storage.url>/<name>), e.g. ./runs/tiny-cpu"
+        )
+    return storage, step
+
+
+def load_checkpoint(
+    url_or_run: str, step: int | None = None, storage_options: dict[str, Any] | None = None
+) -> Checkpoint:
+    """The latest verified checkpoint of the run at ``url_or_run`` (``<storage.url>/<name>``), or the one
+    at ``step``; a checkpoint folder's URL (``.../checkpoints/step_000000400``) also works.
+
+    Torn or corrupt checkpoints are skipped with the reason (logged, and listed in ``skipped``) when the
+    latest is asked for; an explicit ``step`` that fails verification raises CheckpointError.
+    """
+    storage, named = _open(url_or_run, storage_options)
+    step = named if step is None else step
+    store = CheckpointStore(storage)
+    if step is None:
+        loaded = store.load_latest()
+        for s, why in store.last_skipped:
+            logger.warning("skipped checkpoint step %d: %s", s, why)
+        if loaded is None:
+            detail = "; ".join(f"step {s}: {why}" for s, why in store.last_skipped)
+            raise CheckpointError(
+                f"{storage.root} has no verified checkpoint" + (f" (skipped: {detail})" if detail else "")
+            )
+        info, files, skipped = loaded.info, loaded.files, loaded.skipped
+    else:
+        info, why = store.read_manifest(step)
+        if info is None:
+            have = [i.step for i in store.list()]
+            raise CheckpointError(f"no checkpoint at step {step}: {why}; committed steps: {have or 'none'}")
+        try:
+            files = {name: deserialize(data) for name, data in store.read_verified(info).items()}
+        except CheckpointError:
+            raise
+        except Exception as exc:  # a weights_only refusal or a truncated stream
+            why = f"{type(exc).__name__}: {exc}"
+            raise CheckpointError(f"{info.url} cannot be loaded safely: {why}") from None
+        skipped = []
+    return Checkpoint(
+        run_url=storage.root,
+        step=info.step,
+        epoch=info.epoch,
+        url=info.url,
+        model=files["model.pt"],
+        train_state=files.get("train_state.pt", {}),
+        manifest=info.manifest,
+        skipped=skipped,
+    )
+
+
+def load_model(
+    run_url: str,
+    step: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+    task_args: dict[str, Any] | None = None,
+) -> nn.Module:
+    """Build the run's model with its own Task (``task`` and ``task_args`` from ``run.json``; ``task_args``
+    here override single arguments) and load the checkpoint's weights. Returned on CPU, in training mode as
+    ``build_model`` made it; call ``.eval()`` for inference."""
+    from cluster.task import build_task
+
+    ckpt = load_checkpoint(run_url, step, storage_options)
+    storage = Storage(ckpt.run_url, storage_options)
+    try:
+        config = json.loads(storage.read_bytes("run.json"))["config"]
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{storage.root}/run.json is missing: the run's task is unknown; build the model yourself and "
+            "load load_checkpoint(...).model into it"
+        ) from None
+    task = build_task(config["task"], {**config.get("task_args", {}), **(task_args or {})})
+    model = task.build_model()
+    model.load_state_dict(ckpt.model)
+    return model
