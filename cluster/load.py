@@ -84,10 +84,11 @@ def load_checkpoint(
             )
         info, files, skipped = loaded.info, loaded.files, loaded.skipped
     else:
-        info, why = store.read_manifest(step)
-        if info is None:
+        found, why = store.read_manifest(step)
+        if found is None:
             have = [i.step for i in store.list()]
             raise CheckpointError(f"no checkpoint at step {step}: {why}; committed steps: {have or 'none'}")
+        info = found
         try:
             files = {name: deserialize(data) for name, data in store.read_verified(info).items()}
         except CheckpointError:
