@@ -159,6 +159,26 @@ class FailureConfig:
 
 
 @dataclass
+class TrackingConfig:
+    tensorboard: bool = False
+    """Write TensorBoard event files (scalars by global step, failures and recoveries as text) into
+    ``<run>/tensorboard/``, on any storage: ``tensorboard --logdir <run>/tensorboard``. Needs
+    ``tensorboardX`` (installed with ``ray[train]``)."""
+    mlflow_uri: str | None = None
+    """MLflow tracking URI (``http://host:5000``, ``databricks``...): config as params, metrics by global
+    step, status tags, the final ``model.pt`` as an artifact; a resubmitted run continues its MLflow run.
+    Needs the ``mlflow`` extra. Credentials go in ``MLFLOW_TRACKING_USERNAME`` / ``_PASSWORD``/``_TOKEN``."""
+    mlflow_experiment: str = "cluster"
+    """MLflow experiment the run is logged under (created when missing)."""
+    flush_timeout_s: float = 30.0
+    """At the end of a run, wait at most this long for tracking to send what is queued. Tracking never
+    slows training: a server that is down is retried in the background, and what it misses is reported."""
+    queue_size: int = 100_000
+    """Items (metric rows, events) queued per tracking sink while it cannot send; the oldest are dropped,
+    and counted in the ``tracking_incomplete`` event, beyond it."""
+
+
+@dataclass
 class JobConfig:
     name: str = "run"
     """Run name: the folder under ``storage.url``. Same name and storage = resume that run."""
@@ -171,6 +191,7 @@ class JobConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     failures: FailureConfig = field(default_factory=FailureConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     @property
     def effective_min_workers(self) -> int:
@@ -428,6 +449,7 @@ def validate(cfg: JobConfig) -> None:
         )
     if f.process_group_timeout_s <= 0:
         raise ConfigError(f"failures.process_group_timeout_s={f.process_group_timeout_s} must be positive")
+    _validate_tracking(cfg.tracking)
     for i, spec in enumerate(f.inject):
         if not 0 <= spec.rank < s.num_workers:
             raise ConfigError(
@@ -435,6 +457,37 @@ def validate(cfg: JobConfig) -> None:
             )
         if spec.step < 1:
             raise ConfigError(f"failures.inject[{i}].step={spec.step} must be at least 1")
+
+
+def _validate_tracking(tr: TrackingConfig) -> None:
+    import importlib.util
+
+    if tr.flush_timeout_s < 0:
+        raise ConfigError(f"tracking.flush_timeout_s={tr.flush_timeout_s} must be 0 or positive")
+    if tr.queue_size < 1:
+        raise ConfigError(f"tracking.queue_size={tr.queue_size} must be at least 1")
+    if tr.tensorboard and importlib.util.find_spec("tensorboardX") is None:
+        raise ConfigError(
+            "tracking.tensorboard=true needs tensorboardX; pip install 'cluster[tensorboard]' "
+            "(or set tracking.tensorboard=false)"
+        )
+    uri = tr.mlflow_uri
+    if uri is None:
+        return
+    if not uri.strip():
+        raise ConfigError(
+            "tracking.mlflow_uri is empty; set it to the tracking server (http://host:5000) or null"
+        )
+    if "@" in uri.partition("://")[2].split("/", 1)[0]:
+        raise ConfigError(
+            "tracking.mlflow_uri has credentials in it; remove them and set MLFLOW_TRACKING_USERNAME and "
+            "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment: the URI is logged"
+        )
+    if importlib.util.find_spec("mlflow") is None:
+        raise ConfigError(
+            "tracking.mlflow_uri is set but MLflow is not installed; pip install 'cluster[mlflow]' "
+            "(or set tracking.mlflow_uri=null)"
+        )
 
 
 def parse_fault_env(text: str, num_workers: int) -> FaultSpec:

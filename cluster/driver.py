@@ -32,7 +32,7 @@ from typing import Any, TextIO
 import torch
 
 from cluster import local_ray
-from cluster.checkpoint import CheckpointStore, CommitRecord
+from cluster.checkpoint import CheckpointStore, CommitRecord, step_dir
 from cluster.config import JobConfig
 from cluster.errors import (
     CheckpointError,
@@ -58,6 +58,7 @@ from cluster.states import (
     State,
 )
 from cluster.storage import PROBE_ENV, Storage, join, normalize_url, write_probe
+from cluster.tracking import MlflowSink, Sink, TensorBoardSink, Tracker
 from cluster.worker import EpochResult, SetupInfo
 
 __all__ = [
@@ -137,6 +138,7 @@ class Driver:
         self._streak = 0  # failures since the last completed epoch
         self._spare_announced = False  # the current group's hot spare was reported ready
         self._rows: list[dict[str, Any]] = []  # rank 0's step rows streamed by heartbeats, not yet written
+        self.tracker: Tracker | None = None
 
     # ------------------------------------------------------------------ public
     def run(self) -> Result:
@@ -150,6 +152,7 @@ class Driver:
             if self.group is not None:
                 self.group.shutdown(graceful=isinstance(self.state, Finished))
                 self.group = None
+            self._close_tracking()
         result = self._result()
         if isinstance(self.state, Failed):
             raise self.state.error
@@ -195,6 +198,52 @@ class Driver:
                 },
             }
             self.storage.write_atomic("run.json", json.dumps(info, indent=1, default=str).encode())
+        self.tracker = self._make_tracker()
+        if self.tracker is not None:
+            self.events.listeners.append(self.tracker.event)
+
+    def _make_tracker(self) -> Tracker | None:
+        tr = self.cfg.tracking
+        sinks: list[Sink] = []
+        if tr.tensorboard:
+            sinks.append(TensorBoardSink(self.storage))
+        if tr.mlflow_uri:
+            config = self.cfg.to_dict()
+            history = self.events.records()
+            sinks.append(
+                MlflowSink(tr.mlflow_uri, tr.mlflow_experiment, self.storage, config, self.cfg.name, history)
+            )
+        return Tracker(sinks, tr.queue_size, tr.flush_timeout_s) if sinks else None
+
+    def _track(self, rows: list[dict[str, Any]]) -> None:
+        """Hand metric rows to tracking (returns at once) and record what the sinks reported."""
+        if self.tracker is None:
+            return
+        self.tracker.rows(rows)
+        for event, fields in self.tracker.notes():
+            self.events.append(event, **fields)
+
+    def _close_tracking(self) -> None:
+        """Send the summary and wait for tracking (at most ``tracking.flush_timeout_s``); never raises."""
+        tracker, self.tracker = self.tracker, None
+        if tracker is None:
+            return
+        records = self.events.records()
+        infos = CheckpointStore(self.storage).list()
+        summary = {
+            "status": self.state.name,
+            "checkpoint": step_dir(infos[-1].step) if infos and isinstance(self.state, Finished) else None,
+            "attempts": sum(1 for r in records if r["event"] == "group_started"),
+            "failures_survived": sum(1 for r in records if r["event"] == "recovered"),
+        }
+        try:
+            left = tracker.close(summary)
+            for event, fields in tracker.notes():
+                self.events.append(event, **fields)
+            if left is not None:
+                self.events.append("tracking_incomplete", timeout_s=tracker.flush_timeout_s, **left)
+        except Exception as exc:  # the run's own result must not be lost to a tracking problem
+            logger.warning("closing tracking failed: %s: %s", type(exc).__name__, exc)
 
     def _initial_state(self) -> State:
         """Decided once, before any worker starts: a run whose newest verified checkpoint covers every epoch
@@ -380,6 +429,7 @@ class Driver:
         step_rows, self._rows = self._rows + head.step_rows, []
         rows = [{"kind": "step", **r} for r in step_rows] + [epoch_row]
         write_metrics(self.storage, rows, head.epoch, self.attempt)
+        self._track(rows)
         for c in head.commits:
             self._commit_event(c)
         if recovery is not None and head.first_step_at is not None:
@@ -531,7 +581,9 @@ class Driver:
         """After a failure: write every step row rank 0 logged before it (nothing recorded is lost)."""
         rows, self._rows = self._rows + more, []
         if rows:
-            write_metrics(self.storage, [{"kind": "step", **r} for r in rows], self.epoch, self.attempt)
+            step_rows = [{"kind": "step", **r} for r in rows]
+            write_metrics(self.storage, step_rows, self.epoch, self.attempt)
+            self._track(step_rows)
 
     def _fail(self, exc: BaseException) -> Failed:
         self.events.append("run_failed", error=str(exc)[:4000])

@@ -27,6 +27,7 @@ import itertools
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 import pyarrow as pa
@@ -69,6 +70,8 @@ class EventLog:
     def __init__(self, storage: Storage, name: str = "events.jsonl") -> None:
         self.storage = storage
         self.name = name
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []
+        """Called with every record after it is stored (the driver's tracking)."""
         try:
             self._text = self.storage.read_bytes(name).decode()
         except FileNotFoundError:
@@ -78,6 +81,8 @@ class EventLog:
         record = {"time": time.time(), "event": event, **fields}
         self._text += json.dumps(record, default=str) + "\n"
         self.storage.write_atomic(self.name, self._text.encode())
+        for listener in self.listeners:
+            listener(record)
         return record
 
     def records(self) -> list[dict[str, Any]]:

@@ -146,6 +146,7 @@ def make(
     overrides: list[str] = (),
     capacity: int = 2,
     resume: dict[int, int] | None = None,
+    group_cls: type[ScriptedGroup] | None = None,
 ) -> tuple[Driver, list[int]]:
     ScriptedGroup.instances = []
     ScriptedGroup.survivors = None
@@ -157,7 +158,7 @@ def make(
     )
     driver = Driver(
         cfg,
-        group_factory=lambda c, u, a: ScriptedGroup(c, u, a, script, cap, resume or {}),
+        group_factory=lambda c, u, a: (group_cls or ScriptedGroup)(c, u, a, script, cap, resume or {}),
         out=io.StringIO(),
         poll_s=0.0,
     )

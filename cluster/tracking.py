@@ -1,0 +1,438 @@
+"""Send a run's metrics and events to the tools users watch runs with: TensorBoard and MLflow.
+
+The driver hands every metric row it writes to Parquet, and every event it appends, to a ``Tracker``;
+nothing here runs on a training step's path, and nothing here can stop training. Each sink has its own
+thread and a bounded queue (the oldest items are dropped, and counted, when it is full). A sink that
+fails (server down, slow, refusing writes) is retried with backoff; the driver records ``tracking_error``
+when a sink starts failing and ``tracking_resumed`` when it works again, and at the end waits at most
+``tracking.flush_timeout_s`` for what is queued (``tracking_incomplete`` says what was left unsent).
+
+Names: a step row's values go to ``train/<column>`` (``loss``, ``lr``, ``samples_per_s``, ``step_time_s``,
+``checkpoint_stall_s``, ``world_size``, ``attempt`` and every ``m_<name>`` as ``train/<name>``), an epoch
+row's to ``epoch/<column>``; the x axis is the global step, so a resumed or recovered run continues one
+curve. Failures, decisions and recoveries are text (TensorBoard) or tags (MLflow).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from cluster.storage import Storage, is_local
+
+logger = logging.getLogger(__name__)
+
+VALUE_COLUMNS = (
+    "loss",
+    "lr",
+    "samples_per_s",
+    "step_time_s",
+    "checkpoint_stall_s",
+    "world_size",
+    "attempt",
+)
+TEXT_EVENTS = (
+    "failure",
+    "decision",
+    "recovered",
+    "resize",
+    "checkpoint_failed",
+    "checkpoint_skipped",
+    "run_failed",
+    "finished",
+    "preemption_notice",
+)
+"""Events written as text into TensorBoard at their global step."""
+BATCH = 500
+"""Items per send: MLflow's log_batch takes at most 1,000 metrics."""
+BACKOFF_S = 1.0
+BACKOFF_MAX_S = 30.0
+
+
+def scalars(row: dict[str, Any]) -> Iterable[tuple[str, float]]:
+    """(name, value) of one metric row, named as the module docstring says."""
+    prefix = "epoch" if row.get("kind") == "epoch" else "train"
+    for key, value in row.items():
+        if value is None or isinstance(value, str):
+            continue
+        if key in VALUE_COLUMNS:
+            yield f"{prefix}/{key}", float(value)
+        elif key.startswith("m_"):
+            yield f"{prefix}/{key[2:]}", float(value)
+
+
+def event_step(record: dict[str, Any], default: int) -> int:
+    for key in ("global_step", "step", "resume_step", "at_step"):
+        value = record.get(key)
+        if isinstance(value, int):
+            return value
+    return default
+
+
+def event_text(record: dict[str, Any]) -> str:
+    fields = {k: v for k, v in record.items() if k not in ("event", "time", "config") and v is not None}
+    body = ", ".join(f"{k}={str(v)[:300]}" for k, v in fields.items())
+    return f"**{record['event']}** {body}"
+
+
+@dataclass
+class Item:
+    seq: int
+    kind: str  # "row" | "event" | "finish"
+    data: dict[str, Any]
+
+
+class Sink(Protocol):
+    name: str
+
+    def open(self) -> None: ...
+
+    def send(self, items: list[Item]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _Feeder:
+    """One sink's thread and bounded queue. Sends in order; on an error keeps the batch, waits (backoff) and
+    sends it again, so an outage costs time in this thread only."""
+
+    def __init__(self, sink: Sink, maxlen: int, note: Callable[..., None]) -> None:
+        self.sink = sink
+        self.maxlen = maxlen
+        self.note = note
+        self.queue: collections.deque[Item] = collections.deque()
+        self.cond = threading.Condition()
+        self.dropped = 0
+        self.closing = False
+        self.opened = False
+        self.failing: str | None = None
+        self.thread = threading.Thread(target=self._run, name=f"cluster-tracking-{sink.name}", daemon=True)
+        self.thread.start()
+
+    def put(self, item: Item) -> None:
+        with self.cond:
+            if len(self.queue) >= self.maxlen:
+                self.queue.popleft()
+                self.dropped += 1
+            self.queue.append(item)
+            self.cond.notify()
+
+    def pending(self) -> int:
+        with self.cond:
+            return len(self.queue)
+
+    def _run(self) -> None:
+        delay = BACKOFF_S
+        while True:
+            with self.cond:
+                while not self.queue and not self.closing:
+                    self.cond.wait()
+                if not self.queue and self.closing:
+                    break
+                batch = list(itertools.islice(self.queue, BATCH))
+            try:
+                if not self.opened:
+                    self.sink.open()
+                    self.opened = True
+                self.sink.send(batch)
+            except Exception as exc:
+                why = f"{type(exc).__name__}: {str(exc)[:500]}"
+                if self.failing is None:
+                    logger.warning(
+                        "tracking to %s failed, retrying in the background: %s", self.sink.name, why
+                    )
+                    self.note("tracking_error", sink=self.sink.name, error=why, pending=self.pending())
+                self.failing = why
+                with self.cond:
+                    self.cond.wait(delay)
+                delay = min(delay * 2, BACKOFF_MAX_S)
+                continue
+            last = batch[-1].seq
+            with self.cond:
+                while self.queue and self.queue[0].seq <= last:
+                    self.queue.popleft()
+            if self.failing is not None:
+                logger.warning("tracking to %s works again", self.sink.name)
+                self.note("tracking_resumed", sink=self.sink.name, pending=self.pending())
+                self.failing = None
+            delay = BACKOFF_S
+        if self.opened:
+            try:
+                self.sink.close()
+            except Exception as exc:
+                logger.warning(
+                    "closing tracking sink %s failed: %s: %s", self.sink.name, type(exc).__name__, exc
+                )
+
+    def stop(self, deadline: float) -> None:
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
+        self.thread.join(max(0.0, deadline - time.monotonic()))
+
+
+class Tracker:
+    """Fans rows and events out to the configured sinks. Every method returns at once."""
+
+    def __init__(self, sinks: list[Sink], queue_size: int, flush_timeout_s: float) -> None:
+        self.flush_timeout_s = flush_timeout_s
+        self._notes: list[tuple[str, dict[str, Any]]] = []
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._feeders = [_Feeder(s, queue_size, self._note) for s in sinks]
+
+    def _note(self, event: str, **fields: Any) -> None:
+        with self._lock:
+            self._notes.append((event, fields))
+
+    def notes(self) -> list[tuple[str, dict[str, Any]]]:
+        """Events the sinks asked the driver to record (``tracking_error``, ``tracking_resumed``)."""
+        with self._lock:
+            out, self._notes = self._notes, []
+        return out
+
+    def _put(self, kind: str, data: dict[str, Any]) -> None:
+        self._seq += 1
+        for f in self._feeders:
+            f.put(Item(self._seq, kind, data))
+
+    def rows(self, rows: list[dict[str, Any]]) -> None:
+        for row in rows:
+            self._put("row", row)
+
+    def event(self, record: dict[str, Any]) -> None:
+        self._put("event", record)
+
+    def close(self, summary: dict[str, Any]) -> dict[str, Any] | None:
+        """Queue the final summary (status, attempts, failures survived, the final checkpoint), wait at
+        most ``flush_timeout_s`` for every sink; return what was left unsent or dropped, if anything."""
+        self._put("finish", summary)
+        deadline = time.monotonic() + self.flush_timeout_s
+        for f in self._feeders:
+            f.stop(deadline)
+        left = {f.sink.name: f.pending() for f in self._feeders if f.pending() or f.thread.is_alive()}
+        dropped = {f.sink.name: f.dropped for f in self._feeders if f.dropped}
+        if not left and not dropped:
+            return None
+        logger.warning(
+            "tracking incomplete after %.0fs: unsent %s, dropped (queue full) %s",
+            self.flush_timeout_s,
+            left,
+            dropped,
+        )
+        return {"unsent": left, "dropped": dropped}
+
+
+# ----------------------------------------------------------------------------------------- TensorBoard
+class TensorBoardSink:
+    """Event files under ``<run>/tensorboard/``: written in place on a local folder; elsewhere staged in a
+    local temporary folder and uploaded (whole files, at epoch ends, events and the close: object stores
+    cannot append). One file per group start, named so that TensorBoard reads them in order; a start that
+    resumes at step S marks S+1 as a restart (TensorBoard's purge), so the steps a failure undid and that
+    were trained again show once, as trained the second time."""
+
+    name = "tensorboard"
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self.local = is_local(storage.root)
+        self.logdir = (
+            f"{storage.path}/tensorboard" if self.local else tempfile.mkdtemp(prefix="cluster-tensorboard-")
+        )
+        self.writer: Any = None
+        self.step = 0
+        self._uploaded: dict[str, int] = {}
+
+    def open(self) -> None:
+        os.makedirs(self.logdir, exist_ok=True)
+
+    def _writer(self, purge_step: int | None = None) -> Any:
+        from tensorboardX import SummaryWriter
+
+        if self.writer is not None and purge_step is None:
+            return self.writer
+        if self.writer is not None:
+            self.writer.close()
+        suffix = f".{int(time.time() * 1000):013d}.{os.getpid()}"
+        self.writer = SummaryWriter(self.logdir, purge_step=purge_step, flush_secs=30, filename_suffix=suffix)
+        return self.writer
+
+    def send(self, items: list[Item]) -> None:
+        flush = False
+        for item in items:
+            if item.kind == "row":
+                step = int(item.data.get("global_step") or 0)
+                self.step = max(self.step, step)
+                writer = self._writer()
+                for tag, value in scalars(item.data):
+                    writer.add_scalar(tag, value, step, walltime=item.data.get("time"))
+                flush |= item.data.get("kind") == "epoch"
+            elif item.kind == "event":
+                record = item.data
+                if record.get("event") == "group_started":
+                    resume = int(record.get("resume_step") or 0)
+                    self._writer(purge_step=resume + 1 if resume else 0)
+                    self.step = resume
+                if record.get("event") in TEXT_EVENTS:
+                    step = event_step(record, self.step)
+                    self._writer().add_text("events", event_text(record), step, walltime=record.get("time"))
+                    flush = True
+            else:
+                flush = True
+        if flush and self.writer is not None:
+            self.writer.flush()
+            self._upload()
+
+    def _upload(self) -> None:
+        if self.local:
+            return
+        for name in sorted(os.listdir(self.logdir)):
+            path = os.path.join(self.logdir, name)
+            size = os.path.getsize(path)
+            if self._uploaded.get(name) != size:
+                with open(path, "rb") as fh:
+                    self.storage.write_bytes(f"tensorboard/{name}", fh.read())
+                self._uploaded[name] = size
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self._upload()
+
+
+# ----------------------------------------------------------------------------------------------- MLflow
+class MlflowSink:
+    """One MLflow run per run of this product: created at the first send (or continued: its id is kept in
+    ``run.json`` under ``tracking``), the resolved config as params (credentials redacted; a value a
+    resubmission changed goes to a ``changed.<key>`` tag, as MLflow refuses to change a param), metrics
+    by global step, tags ``status``, ``attempts``, ``failures_survived``, ``submissions``, and the final
+    checkpoint's ``model.pt`` as the artifact ``checkpoint/model.pt``."""
+
+    name = "mlflow"
+
+    def __init__(
+        self,
+        uri: str,
+        experiment: str,
+        storage: Storage,
+        config: dict[str, Any],
+        run_name: str,
+        history: list[dict[str, Any]],
+    ) -> None:
+        self.uri = uri
+        self.experiment = experiment
+        self.storage = storage
+        self.config = config
+        self.run_name = run_name
+        self.run_id: str | None = None
+        self.client: Any = None
+        self.counts = {"group_started": 0, "recovered": 0, "run_start": 0}
+        for record in history:  # earlier submissions of this run, as events.jsonl holds them
+            self._count(record)
+        self._tags_sent: dict[str, str] = {}
+
+    def _count(self, record: dict[str, Any]) -> None:
+        if record.get("event") in self.counts:
+            self.counts[record["event"]] += 1
+
+    def _tags(self) -> dict[str, str]:
+        return {
+            "attempts": str(self.counts["group_started"]),
+            "failures_survived": str(self.counts["recovered"]),
+            "submissions": str(self.counts["run_start"]),
+        }
+
+    def open(self) -> None:
+        # MLflow's own HTTP retries (7, backoff up to minutes) would hide an outage inside one call; this
+        # sink retries itself, so each call tries twice at most and gives up after 10 s.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        from mlflow.entities import Param, RunTag
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=self.uri)
+        run_info = json.loads(self.storage.read_bytes("run.json"))
+        known = run_info.get("tracking", {}).get("mlflow_run_id")
+        run = None
+        if known:
+            try:
+                run = client.get_run(known)
+            except Exception as exc:
+                logger.warning("MLflow run %s of this run is gone (%s); starting a new one", known, exc)
+        if run is None:
+            exp = client.get_experiment_by_name(self.experiment)
+            exp_id = exp.experiment_id if exp is not None else client.create_experiment(self.experiment)
+            run = client.create_run(
+                exp_id, run_name=self.run_name, tags={"cluster.run_url": self.storage.root}
+            )
+            run_info["tracking"] = {"mlflow_uri": self.uri, "mlflow_run_id": run.info.run_id}
+            self.storage.write_atomic("run.json", json.dumps(run_info, indent=1, default=str).encode())
+        else:
+            client.update_run(run.info.run_id, status="RUNNING")
+        self.run_id = run.info.run_id
+        have = run.data.params
+        flat = dict(flatten(self.config))
+        params = [Param(k, v) for k, v in flat.items() if k not in have]
+        changed = [RunTag(f"changed.{k}", v) for k, v in flat.items() if k in have and have[k] != v]
+        for i in range(0, max(len(params), len(changed)), 100):
+            client.log_batch(self.run_id, params=params[i : i + 100], tags=changed[i : i + 100])
+        client.set_tag(self.run_id, "status", "RUNNING")
+        self.client = client
+
+    def send(self, items: list[Item]) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        metrics: list[Metric] = []
+        finish: dict[str, Any] | None = None
+        for item in items:
+            if item.kind == "row":
+                ts = int(float(item.data.get("time") or time.time()) * 1000)
+                step = int(item.data.get("global_step") or 0)
+                metrics.extend(Metric(k, v, ts, step) for k, v in scalars(item.data))
+            elif item.kind == "event":
+                self._count(item.data)
+            else:
+                finish = item.data
+        for i in range(0, len(metrics), 1000):
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
+        tags = self._tags()
+        if tags != self._tags_sent:
+            self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+            self._tags_sent = tags
+        if finish is not None:
+            self._finish(finish)
+
+    def _finish(self, summary: dict[str, Any]) -> None:
+        status = str(summary.get("status", "finished"))
+        self.client.set_tag(self.run_id, "status", status.upper())
+        checkpoint = summary.get("checkpoint")
+        if checkpoint:
+            with tempfile.TemporaryDirectory(prefix="cluster-mlflow-") as tmp:
+                path = os.path.join(tmp, "model.pt")
+                with open(path, "wb") as fh:
+                    fh.write(self.storage.read_bytes(f"{checkpoint}/model.pt"))
+                self.client.log_artifact(self.run_id, path, "checkpoint")
+            self.client.set_tag(self.run_id, "checkpoint", f"{self.storage.root}/{checkpoint}")
+        self.client.set_terminated(self.run_id, "FINISHED" if status == "finished" else "FAILED")
+
+    def close(self) -> None:
+        pass
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> Iterable[tuple[str, str]]:
+    """A nested config as ``(dotted.key, value)`` strings; MLflow keeps a param value up to 6,000 chars."""
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            yield from flatten(value, f"{prefix}{key}.")
+        else:
+            text = value if isinstance(value, str) else json.dumps(value, default=str)
+            yield f"{prefix}{key}", text[:6000]
