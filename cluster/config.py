@@ -54,18 +54,12 @@ class ScalingConfig:
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for every worker process."""
     worker_niceness: int | None = 0
-    """Scheduling niceness of the training processes (-20..19; lower runs first). Ray starts its worker
-    processes at 15, below its own daemons and every other process, so on a node whose cores the ranks fill
-    each of those wakeups stalls the whole gang; 0 trains at normal priority. A value below the current one
-    needs CAP_SYS_NICE (root in most containers): the embedded Ray starts its workers at 0 so it needs none;
-    on
-    a cluster, start Ray with ``RAY_worker_niceness=0`` or the driver warns that the workers stayed at 15.
-    null keeps Ray's."""
+    """Niceness of the training processes (-20..19). Ray starts workers at 15, so any daemon's wakeup
+    stalls the gang on a full node; 0 trains at normal priority. Lowering needs CAP_SYS_NICE: on a
+    cluster start Ray with ``RAY_worker_niceness=0`` (docs/tuning.md). null keeps Ray's."""
     tune_allocator: bool = True
-    """Keep glibc's allocator from returning freed memory to the kernel after every step (``mallopt``: mmap
-    threshold 256 MiB, trim threshold 1 GiB, top pad 64 MiB), so the next step does not fault it back in
-    page by page (benchmarks/RESULTS.md has the gain); a worker keeps up to its peak heap.
-    No effect where the C library is not glibc."""
+    """Keep glibc's allocator from returning freed memory to the kernel after every step (``mallopt``), so
+    the next step does not fault it back in; a worker keeps up to its peak heap (docs/tuning.md)."""
 
 
 @dataclass
@@ -142,12 +136,9 @@ class FailureConfig:
     """After a worker dies or raises, reuse the healthy workers' processes (task and dataset already
     loaded) and replace only the lost ones. Lost nodes and hangs always get fresh workers."""
     hot_spare: bool | Literal["auto"] = "auto"
-    """CPU jobs: keep one extra idle worker process (no CPU reserved; task, dataset and DDP's imports
-    loaded) that takes a dead worker's place at once, instead of starting a new process
-    in the recovery. Costs one worker's memory, and the CPU to prepare it (about one torch import) while the
-    first epoch runs. ``auto``: only when a node of the job has at least one worker's CPU share that the
-    job does not use, so the spare never slows training; ``true``: always; ``false``: never. Not used
-    for GPU jobs (a GPU is bound to its process)."""
+    """CPU jobs: keep one idle, prepared worker process that replaces a dead one at once (costs one
+    worker's memory). ``auto``: only when a node has a worker's CPU share the job does not use; ``true``:
+    always; ``false``: never. Not for GPU jobs (docs/failures.md)."""
     recover_from_peers: bool = True
     """After a worker dies or raises, a survivor sends its in-memory state to the replacement: at most one
     step lost, nothing read from storage. Falls back to the latest checkpoint when it cannot be trusted
@@ -161,21 +152,16 @@ class FailureConfig:
 @dataclass
 class TrackingConfig:
     tensorboard: bool = False
-    """Write TensorBoard event files (scalars by global step, failures and recoveries as text) into
-    ``<run>/tensorboard/``, on any storage: ``tensorboard --logdir <run>/tensorboard``. Needs
-    ``tensorboardX`` (installed with ``ray[train]``)."""
+    """Write TensorBoard event files into ``<run>/tensorboard/`` on any storage (docs/runs.md)."""
     mlflow_uri: str | None = None
-    """MLflow tracking URI (``http://host:5000``, ``databricks``...): config as params, metrics by global
-    step, status tags, the final ``model.pt`` as an artifact; a resubmitted run continues its MLflow run.
-    Needs the ``mlflow`` extra. Credentials go in ``MLFLOW_TRACKING_USERNAME`` / ``_PASSWORD``/``_TOKEN``."""
+    """MLflow tracking URI (``http://host:5000``): params, metrics, tags, final ``model.pt``; a
+    resubmission continues the same MLflow run. Needs the ``mlflow`` extra."""
     mlflow_experiment: str = "cluster"
     """MLflow experiment the run is logged under (created when missing)."""
     flush_timeout_s: float = 30.0
-    """At the end of a run, wait at most this long for tracking to send what is queued. Tracking never
-    slows training: a server that is down is retried in the background, and what it misses is reported."""
+    """At the end, wait at most this long for tracking to send what is queued (never during training)."""
     queue_size: int = 100_000
-    """Items (metric rows, events) queued per tracking sink while it cannot send; the oldest are dropped,
-    and counted in the ``tracking_incomplete`` event, beyond it."""
+    """Rows and events queued per sink while it cannot send; beyond it the oldest are dropped (counted)."""
 
 
 @dataclass
