@@ -1,6 +1,6 @@
 """Read runs back from storage: what ``python -m cluster list|show|plot`` prints. No Ray, no workers.
 
-Everything here reads the public contract of a run folder (``run.json``, ``events.jsonl``, ``metrics/``,
+Everything here reads the public contract of a run folder (``run.json``, ``events/``, ``metrics/``,
 ``checkpoints/``) through :class:`~cluster.storage.Storage`, so it works on any fsspec URL, while the run
 is going or long after. A run is any folder directly under the storage URL that holds a ``run.json``.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 from cluster.checkpoint import CheckpointInfo, CheckpointStore
 from cluster.errors import CheckpointError, ClusterError, StorageError
-from cluster.metrics import read_metrics
+from cluster.metrics import read_event_log, read_metrics
 from cluster.storage import Storage, join, normalize_url
 
 FINISHED, FAILED, UNFINISHED = "finished", "failed", "running/interrupted"
@@ -130,20 +130,9 @@ def open_run(url: str, name: str | None = None, options: dict[str, Any] | None =
 
 # ---------------------------------------------------------------------- reading one run
 def read_events(storage: Storage) -> list[dict[str, Any]]:
-    """``events.jsonl`` as dicts; a torn last line (a writer died mid-write) is ignored."""
-    try:
-        text = storage.read_bytes("events.jsonl").decode()
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            out.append(record)
-    return out
+    """The run's events as dicts, oldest first (segments ``events/*.jsonl`` after a legacy ``events.jsonl``);
+    a torn line (a writer died mid-write) is ignored."""
+    return read_event_log(storage)
 
 
 def read_run_json(storage: Storage) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""A run's record in storage: ``run.json``, ``events.jsonl`` and Parquet metrics; the driver's progress line.
+"""A run's record in storage: ``run.json``, ``events/*.jsonl``, Parquet metrics; the driver's progress line.
 
 Metrics schema (``metrics/steps-*.parquet``, one file per epoch and attempt; read the folder with
 ``pyarrow.parquet.read_table(URL + "/metrics")``):
@@ -63,30 +63,93 @@ def schema_for(rows: list[dict[str, Any]]) -> pa.Schema:
     return pa.schema([*SCHEMA, *((name, pa.float64()) for name in extra)])
 
 
-class EventLog:
-    """``events.jsonl``: one JSON object a line. Rewritten whole on each append (object stores cannot
-    append), so it stays small: events are per start, failure, checkpoint and epoch, never per step."""
+EVENTS_DIR = "events"
+LEGACY_EVENTS = "events.jsonl"
+"""The single event file of runs written before segments; still read (first), never written."""
+SEGMENT_EVENTS = 256
+"""Events per segment: an append rewrites at most this many lines, whatever the run's length."""
+SEGMENT_S = 600.0
+"""A segment older than this is closed at the next append, so a long quiet run's open segment stays small."""
 
-    def __init__(self, storage: Storage, name: str = "events.jsonl") -> None:
+
+def segment_names(storage: Storage) -> list[str]:
+    """``events/NNNNNN.jsonl`` names in order (zero-padded: lexical order is numeric order)."""
+    return [n for n in storage.listdir(EVENTS_DIR) if n.endswith(".jsonl") and n[: -len(".jsonl")].isdigit()]
+
+
+def read_event_log(storage: Storage) -> list[dict[str, Any]]:
+    """Every event of a run, oldest first: the legacy ``events.jsonl`` if any, then each segment. A torn
+    line (a writer died mid-write of a non-atomic store) is skipped."""
+    texts = []
+    try:
+        texts.append(storage.read_bytes(LEGACY_EVENTS).decode())
+    except FileNotFoundError:
+        pass
+    for name in segment_names(storage):
+        try:
+            texts.append(storage.read_bytes(f"{EVENTS_DIR}/{name}").decode())
+        except FileNotFoundError:  # removed between the listing and the read
+            continue
+    out = []
+    for line in itertools.chain.from_iterable(t.splitlines() for t in texts):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
+class EventLog:
+    """A run's events, one JSON object a line, in numbered segments ``events/000001.jsonl``, ...
+
+    Object stores cannot append, so the open segment is rewritten whole on each append; a segment is
+    closed after ``segment_events`` events or ``segment_s`` seconds and never written again, so an append
+    costs O(1) bytes however long the run. Each driver (a new submission) starts a new segment. Read them
+    as one stream with ``cat events/*.jsonl``, ``read_event_log`` or ``python -m cluster show``.
+    """
+
+    def __init__(
+        self, storage: Storage, segment_events: int = SEGMENT_EVENTS, segment_s: float = SEGMENT_S
+    ) -> None:
         self.storage = storage
-        self.name = name
+        self.segment_events = segment_events
+        self.segment_s = segment_s
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
         """Called with every record after it is stored (the driver's tracking)."""
-        try:
-            self._text = self.storage.read_bytes(name).decode()
-        except FileNotFoundError:
-            self._text = ""
+        self._records = read_event_log(storage)
+        names = segment_names(storage)
+        self._seq = int(names[-1][: -len(".jsonl")]) if names else 0
+        self._lines: list[str] = []
+        self._opened_at = 0.0
+
+    @property
+    def segment(self) -> str:
+        """The segment being written (relative to the run)."""
+        return f"{EVENTS_DIR}/{self._seq:06d}.jsonl"
 
     def append(self, event: str, **fields: Any) -> dict[str, Any]:
         record = {"time": time.time(), "event": event, **fields}
-        self._text += json.dumps(record, default=str) + "\n"
-        self.storage.write_atomic(self.name, self._text.encode())
+        now = time.monotonic()
+        if (
+            not self._lines
+            or len(self._lines) >= self.segment_events
+            or now - self._opened_at > self.segment_s
+        ):
+            self._seq += 1
+            self._lines = []
+            self._opened_at = now
+        self._lines.append(json.dumps(record, default=str))
+        self.storage.write_atomic(self.segment, ("\n".join(self._lines) + "\n").encode())
+        self._records.append(json.loads(self._lines[-1]))
         for listener in self.listeners:
             listener(record)
         return record
 
     def records(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in self._text.splitlines() if line.strip()]
+        """Every event of the run so far, earlier submissions included, as stored (JSON round trip)."""
+        return list(self._records)
 
 
 def write_metrics(storage: Storage, rows: list[dict[str, Any]], epoch: int, attempt: int) -> str | None:

@@ -336,7 +336,7 @@ class MlflowSink:
         self.run_id: str | None = None
         self.client: Any = None
         self.counts = {"group_started": 0, "recovered": 0, "run_start": 0}
-        for record in history:  # earlier submissions of this run, as events.jsonl holds them
+        for record in history:  # earlier submissions of this run, as the event log holds them
             self._count(record)
         self._tags_sent: dict[str, str] = {}
 

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import pytest
 
 from cluster.checkpoint import CheckpointStore
+from cluster.inspect import read_events
 from cluster.storage import Storage
 from tests.cluster.rayproc import EXCLUDES, REPO, Head, owned_pids
 
@@ -98,8 +99,7 @@ def submit(
 
 
 def events(storage: str, name: str) -> list[dict]:  # type: ignore[type-arg]
-    with open(os.path.join(storage, name, "events.jsonl")) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+    return read_events(Storage(os.path.join(storage, name)))
 
 
 def status(h: Head, job_id: str) -> str:

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from cluster.checkpoint import CheckpointStore
+from cluster.inspect import read_events
 from cluster.storage import Storage
 from tests.cluster.netns import IFNAME, Hosts, NetnsUnavailable, kill_all, start_node
 from tests.cluster.rayproc import EXCLUDES, RAY, REPO, ray_env
@@ -129,8 +130,7 @@ def test_job_across_hosts_survives_a_lost_node() -> None:
         assert rc == 0, out
         assert "result: status=finished" in out, out
 
-        with open(os.path.join(storage, "multihost", "events.jsonl")) as fh:
-            events = [json.loads(line) for line in fh if line.strip()]
+        events = read_events(Storage(os.path.join(storage, "multihost")))
         kinds = [e["event"] for e in events]
         print(
             f"killed the raylet of {hosts.names[victim]}; events:",

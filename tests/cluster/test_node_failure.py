@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 
 from cluster import load_config, train
+from cluster.inspect import read_events
+from cluster.storage import Storage
 from tests.audit_task import audit
 from tests.conftest import REPO
 
@@ -76,7 +78,7 @@ def job(tmp: str, name: str, *extra: str) -> list[str]:
 
 
 def events(run_url: str, kind: str) -> list[dict]:
-    return [e for e in map(json.loads, open(f"{run_url}/events.jsonl")) if e["event"] == kind]
+    return [e for e in read_events(Storage(run_url)) if e["event"] == kind]
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 120) -> None:

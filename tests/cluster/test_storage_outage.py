@@ -3,7 +3,6 @@ data in memory). The job finishes without a restart, and no checkpoint that lost
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
@@ -11,6 +10,7 @@ import pytest
 
 from cluster import load_config, train
 from cluster.checkpoint import CheckpointStore
+from cluster.inspect import read_events
 from cluster.storage import Storage
 from tests.storage_fixtures import MotoS3
 
@@ -61,7 +61,7 @@ def test_job_finishes_through_a_storage_outage(
     total = result.global_step
     assert total == 2 * 39
 
-    events = [json.loads(line) for line in st.read_bytes("events.jsonl").decode().splitlines()]
+    events = read_events(st)
     assert events[-1]["event"] == "finished"
     commits = [e for e in events if e["event"] == "checkpoint"]
     failed = [e for e in events if e["event"] == "checkpoint_failed"]

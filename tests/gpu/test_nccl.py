@@ -53,9 +53,8 @@ def test_nccl_job_on_ray(tmp_path: object, tiny_overrides: list[str]) -> None:
     result = train(cfg, out=out)
     assert result.status == "finished"
     assert "(nccl)" in out.getvalue()
-    import json
+    from cluster.inspect import read_events
+    from cluster.storage import Storage
 
-    started = [
-        json.loads(line) for line in open(f"{result.run_url}/events.jsonl") if '"group_started"' in line
-    ]
+    started = [e for e in read_events(Storage(result.run_url)) if e["event"] == "group_started"]
     assert started[0]["backend"] == "nccl"

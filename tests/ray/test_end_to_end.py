@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import io
-import json
 
 import pytest
 import torch
 
 from cluster import load_checkpoint, load_config, load_model, train
 from cluster.checkpoint import CheckpointStore
+from cluster.inspect import read_events
 from cluster.storage import Storage
 from jobs.tasks.charlm import CharLMTask
 
@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 
 def events(run_url: str) -> list[dict]:
-    return [json.loads(line) for line in open(f"{run_url}/events.jsonl") if line.strip()]
+    return read_events(Storage(run_url))
 
 
 def test_tiny_job_trains_checkpoints_and_resumes(ray_local: None, tiny_overrides: list[str]) -> None:
@@ -104,8 +104,9 @@ def test_changed_task_or_batch_on_resume_is_refused(ray_local: None, tiny_overri
 
     overrides = [*tiny_overrides, "name=compat", "training.epochs=1", "training.max_steps_per_epoch=2"]
     train(load_config("jobs/configs/tiny_cpu.yaml", overrides), out=io.StringIO())
-    before = open(f"{tiny_overrides[0].split('=', 1)[1]}/compat/events.jsonl").read()
+    run = Storage(f"{tiny_overrides[0].split('=', 1)[1]}/compat")
+    before = read_events(run)
     with pytest.raises(ConfigError, match=r"training\.global_batch_size=64 differs"):
         train(load_config("jobs/configs/tiny_cpu.yaml", [*overrides, "training.global_batch_size=64"]))
     # nothing already written was changed by the refused start
-    assert open(f"{tiny_overrides[0].split('=', 1)[1]}/compat/events.jsonl").read() == before
+    assert read_events(run) == before

@@ -19,6 +19,7 @@ import torch
 from cluster import load_config, train
 from cluster.checkpoint import CheckpointStore
 from cluster.errors import TrainingFailedError
+from cluster.inspect import read_events
 from cluster.metrics import read_metrics
 from cluster.storage import Storage
 
@@ -58,7 +59,7 @@ def final_model(run_url: str) -> dict[str, torch.Tensor]:
 
 
 def events(run_url: str, kind: str | None = None) -> list[dict]:
-    ev = [json.loads(line) for line in open(f"{run_url}/events.jsonl") if line.strip()]
+    ev = read_events(Storage(run_url))
     return [e for e in ev if kind is None or e["event"] == kind]
 
 
@@ -77,7 +78,7 @@ def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
 
 
 def kill_when(run_url: str, ready: Callable[[], bool], rank: int, delay: float = 0.0) -> threading.Thread:
-    """SIGKILL rank ``rank``'s process from outside once ``ready()`` holds (pids come from events.jsonl)."""
+    """SIGKILL rank ``rank``'s process from outside once ``ready()`` holds (pids come from the event log)."""
 
     def go() -> None:
         deadline = time.monotonic() + 120

@@ -11,6 +11,7 @@ import pytest
 
 from cluster import load_config, train
 from cluster.checkpoint import CheckpointStore, step_dir
+from cluster.inspect import read_events
 from cluster.metrics import read_metrics
 from cluster.storage import Storage
 from jobs.make_tabular import write
@@ -27,7 +28,7 @@ def s3_options(moto: MotoS3) -> dict[str, Any]:
 
 
 def events(st: Storage) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in st.read_bytes("events.jsonl").decode().splitlines()]
+    return read_events(st)
 
 
 @pytest.mark.timeout(240)
@@ -58,7 +59,7 @@ def test_tiny_job_on_s3_then_resume_from_s3(
     assert st.listdir("metrics")
 
     # storage.options values appear nowhere the run wrote
-    for rel in ("run.json", "events.jsonl"):
+    for rel in ("run.json", *(f"events/{n}" for n in st.listdir("events"))):
         assert SECRET not in st.read_bytes(rel).decode()
     assert json.loads(st.read_bytes("run.json"))["config"]["storage"]["options"]["secret"] == "***"
 
