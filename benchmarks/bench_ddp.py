@@ -394,6 +394,11 @@ def child_main(arm: str, spec_path: str, out_path: str) -> int:
     else:
         result = {"bare": child_bare, "raytrain": child_raytrain}[arm](spec)
     result["arm"] = arm
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # this process only: the driver / supervisor
+    result["driver_cpu_s"] = usage.ru_utime + usage.ru_stime
+    result["driver_rss_mb"] = usage.ru_maxrss / 1024
     with open(out_path, "w") as fh:
         json.dump(result, fh, indent=1, default=str)
     return 0

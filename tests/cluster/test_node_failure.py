@@ -124,10 +124,68 @@ def test_lost_node_with_spare_capacity_recovers_at_full_size(ray_cluster: Any, t
     assert result.status == "finished" and result.world_size == 2
     failure = events(run_url, "failure")[0]
     assert failure["kind"] == "node_lost", failure
-    assert events(run_url, "recovered")
+    # rank 0's node survived: it keeps its process and sends its state to the new rank 1
+    (rec,) = events(run_url, "recovered")
+    assert rec["source"] == "peers" and rec["lost_steps"] <= 1 and rec["storage_reads"] == 0, rec
+    first, second = events(run_url, "group_started")
+    assert second["pids"][0] == first["pids"][0] and second["nodes"][1] != first["nodes"][1]
     assert not events(run_url, "resize")
     sizes = audit(f"{tmp}/audit", STEPS, B, EPOCHS)
     assert sizes == {2: EPOCHS * STEPS}
+
+
+def test_a_node_with_4_of_8_ranks_lost_is_one_incident_recovered_from_peers_exactly(
+    ray_cluster: Any, tmp_path: object
+) -> None:
+    """8 ranks packed 4 + 4 on two nodes, a third node free. The node of ranks 4-7 is removed (its raylet
+    and every process on it, at once): one failure, one recovery, the 4 survivors keep their processes and
+    send the state; the final weights equal a run without the failure, bit for bit."""
+    import torch
+
+    from cluster import load_checkpoint
+
+    for _ in range(3):
+        ray_cluster.add_node(num_cpus=2, resources={"trainer": 4})
+    tmp = str(tmp_path)
+    os.makedirs(f"{tmp}/audit")
+    eight = ["scaling.num_workers=8", "scaling.cpus_per_worker=0.5", "scaling.placement_strategy=PACK"]
+    ref = train(load_config("jobs/configs/tiny_cpu.yaml", [*job(tmp, "ref"), *eight]), out=io.StringIO())
+    assert ref.status == "finished"
+    for name in os.listdir(f"{tmp}/audit"):
+        os.remove(f"{tmp}/audit/{name}")
+    run_url = f"{tmp}/runs/node8"
+    ckpt = f"{run_url}/checkpoints/step_{STEPS + 4:09d}/manifest.json"
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = train(
+                load_config("jobs/configs/tiny_cpu.yaml", [*job(tmp, "node8"), *eight]), out=io.StringIO()
+            )
+        except BaseException as exc:
+            box["error"] = exc
+
+    trainer = threading.Thread(target=run, daemon=True)  # nodes are removed from the main thread
+    trainer.start()
+    wait_for(lambda: os.path.exists(ckpt))
+    nodes = events(run_url, "group_started")[-1]["nodes"]
+    assert len(set(nodes)) == 2 and nodes[:4] == [nodes[0]] * 4, nodes  # packed 4 + 4
+    remove_node_of_rank(ray_cluster, run_url, 4)
+    trainer.join(240)
+    assert "error" not in box, box.get("error")
+    result = box["result"]
+    assert result.status == "finished" and result.world_size == 8 and len(result.failures) == 1
+    (failure,) = events(run_url, "failure")
+    assert failure["kind"] == "node_lost", failure
+    assert len(events(run_url, "decision")) == 1
+    (rec,) = events(run_url, "recovered")
+    assert rec["source"] == "peers" and rec["reused_workers"] == 4 and rec["storage_reads"] == 0, rec
+    first, second = events(run_url, "group_started")
+    assert second["pids"][:4] == first["pids"][:4]  # the survivors kept their processes
+    assert set(second["nodes"][4:]).isdisjoint(first["nodes"])  # the lost ranks moved to the free node
+    assert audit(f"{tmp}/audit", STEPS, B, EPOCHS) == {8: EPOCHS * STEPS}
+    got, want = load_checkpoint(run_url).model, load_checkpoint(ref.run_url).model
+    assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_without_spare_continues_at_min_workers_then_grows_back(ray_cluster: Any, tmp_path: object) -> None:
