@@ -555,16 +555,19 @@ class Driver:
             return None
         if failure.kind == "hang":
             timing.fallback = "a hang: the hung rank's memory is not trusted"
-        elif failure.kind == "node_lost":
-            timing.fallback = "a node was lost: its ranks' processes are gone with it"
         elif salvage is None or salvage.peers is None:
-            timing.fallback = "no survivor could be kept"
+            timing.fallback = (
+                "a node was lost and no survivor could be kept (no room for its ranks within "
+                "scaling.resource_wait_s, or no rank left)"
+                if failure.kind == "node_lost"
+                else "no survivor could be kept"
+            )
         else:
             plan = plan_recovery(salvage.peers)
             if isinstance(plan, PeerPlan):
                 return plan
             timing.fallback = plan
-        if failure.kind not in ("hang", "node_lost") and not self.cfg.failures.warm_restart:
+        if failure.kind != "hang" and not self.cfg.failures.warm_restart:
             timing.fallback = "failures.warm_restart is off: no survivor keeps its process"
         return None
 

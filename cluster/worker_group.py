@@ -17,7 +17,12 @@ from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.checkpoint import CommitRecord
@@ -310,11 +315,16 @@ class RayWorkerGroup:
         kept."""
         t0 = time.perf_counter()
         fcfg = self.cfg.failures
-        if not fcfg.warm_restart or failure.kind not in ("worker_died", "user_error"):
+        if not fcfg.warm_restart or failure.kind not in ("worker_died", "user_error", "node_lost"):
             return None
         if self.pg is None or not self._pending:
             return None
         dead = {r for r, e in self._errors(0.0).items() if isinstance(e, RayActorError)}
+        lost_nodes: set[str] = set()
+        if failure.kind == "node_lost":
+            # one incident: every rank of every lost node went with it, however many that is
+            lost_nodes = {n for n in {n for n, _ in self.nodes} if self._node_dead(n)}
+            dead |= {r for r, (n, _) in enumerate(self.nodes) if n in lost_nodes}
         if failure.rank is not None and (failure.kind == "worker_died" or self.cfg.scaling.use_gpu):
             dead.add(failure.rank)  # on a GPU the raising rank's CUDA context may be broken: never reused
         for r in dead:
@@ -364,6 +374,13 @@ class RayWorkerGroup:
                 kept[r] = actors[r]
                 if isinstance(state, PeerState):
                     peers[r] = state
+        if lost_nodes and kept and not self._bundles_replaced(lost_nodes):
+            logger.warning(
+                "the lost node's ranks found no room within scaling.resource_wait_s=%gs: the survivors are "
+                "not kept, the group starts anew",
+                self.cfg.scaling.resource_wait_s,
+            )
+            kept, peers = {}, {}
         logger.debug(
             "salvage: survivors out %.3fs, rank 0's rows %.3fs, %s %.3fs",
             t_out - t0,
@@ -383,6 +400,26 @@ class RayWorkerGroup:
         salvage = Salvage(resources=self.pg, actors=kept, peers=peers if keep_state else None, rows=rows)
         self.pg, self.actors = None, []
         return salvage
+
+    def _bundles_replaced(self, lost_nodes: set[str]) -> bool:
+        """After a node loss: wait until Ray has re-placed the placement group's bundles that were on the
+        lost nodes (the survivors' stay where they are), at most ``scaling.resource_wait_s`` once Ray has
+        declared the nodes dead (it reschedules bundles only then)."""
+        deadline = time.monotonic() + NODE_DEAD_WAIT_S
+        while time.monotonic() < deadline:
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            if not lost_nodes & alive:
+                break
+            time.sleep(0.1)
+        deadline = time.monotonic() + self.cfg.scaling.resource_wait_s
+        while True:
+            table = placement_group_table(self.pg)
+            on = set(table.get("bundles_to_node_id", {}).values())
+            if table.get("state") == "CREATED" and not on & lost_nodes:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
 
     def _rank0_rows(self) -> list[dict[str, Any]]:
         """Rank 0's step rows not yet reported (its epoch result, or its buffer), once it left the group."""
@@ -504,6 +541,9 @@ def _check_same_code(codes: list[tuple[str, str]], nodes: list[tuple[str, str]])
 RELEASE_S = 10.0
 """Seconds the survivors of a failure get to leave the failed collective (and then to reset or report
 their state) before they are killed."""
+NODE_DEAD_WAIT_S = 60.0
+"""After a node loss, seconds to wait for Ray to declare the node dead (its health checks; Ray re-places a
+placement group's bundles only then) before waiting for room for its ranks."""
 
 _COLLATERAL = ("Connection reset", "Connection closed", "Broken pipe", "Socket Timeout", "peer", "Gloo")
 

@@ -486,3 +486,22 @@ def test_each_fallback_resumes_from_the_checkpoint_and_says_why(
         assert decision["fallback"] is None  # switched off: not a fallback
     else:
         assert why in decision["fallback"]
+
+
+def test_a_lost_node_with_survivors_elsewhere_recovers_from_them() -> None:
+    """A lost node takes its ranks' processes; the ranks on other nodes keep theirs and their state."""
+    driver, _ = make({0: ["ok", Failure("node_lost", 1, "node_lost:gone")]}, resume={1: 4})
+    ScriptedGroup.survivors = {0: _peer(6, "a")}
+    result = driver.run()
+    assert result.status == "finished" and len(result.failures) == 1
+    assert ScriptedGroup.instances[1].peers is not None
+    decision = next(e for e in driver.events.records() if e["event"] == "decision")
+    assert decision["source"] == "peers" and decision["fallback"] is None
+
+
+def test_a_lost_node_with_nothing_kept_says_why() -> None:
+    driver, _ = make({0: ["ok", Failure("node_lost", 1, "node_lost:gone")]}, resume={1: 4})
+    ScriptedGroup.survivors = None  # salvage kept nothing (no room for the lost ranks in time)
+    assert driver.run().status == "finished"
+    decision = next(e for e in driver.events.records() if e["event"] == "decision")
+    assert decision["source"] == "checkpoint" and "a node was lost" in decision["fallback"]
