@@ -44,7 +44,7 @@ class BigGroup(ScriptedGroup):
     def poll(self, timeout: float) -> list[EpochResult] | None:
         if self.script and self.script[0] == "grow":  # resources come back during this epoch
             self.script.pop(0)
-            self.capacity[0] = N
+            self.capacity[0] = self.cfg.scaling.num_workers
         return super().poll(timeout)
 
     def salvage(self, failure: Failure, attempt: int) -> Salvage | None:
