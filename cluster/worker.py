@@ -242,6 +242,14 @@ class Worker:
         self._store, port = cdist.bind_store(self.world_size, self.cfg.failures.process_group_timeout_s)
         return port
 
+    def connect(self, host: str, port: int) -> None:
+        """Ranks other than 0: connect to rank 0's rendezvous store now (the driver calls this in waves,
+        see ``RayWorkerGroup.start``); ``setup`` then uses the connection."""
+        if self.rank != 0:
+            self._store = cdist.connect_store(
+                host, port, self.world_size, self.cfg.failures.process_group_timeout_s
+            )
+
     def setup(self, host: str, port: int, peers: PeerPlan | None = None) -> TrainSession:
         """Join the process group, build (or keep) model and optimizer, and take the state to resume from:
         from rank ``peers.source`` over the new group when a peer plan is given (a survivor keeps its own
@@ -255,9 +263,10 @@ class Worker:
         if os.environ.get(PROBE_ENV):  # set by the driver: prove this node sees the driver's storage
             check_probe(Storage(self.run_url, cfg.storage.options), os.environ[PROBE_ENV])
         device = cdist.pick_device(cfg.scaling.use_gpu)
-        store = self._store if self.rank == 0 else None
+        store = self._store  # rank 0's own, or the connection ``connect`` made
         if store is None:
             store = cdist.connect_store(host, port, self.world_size, cfg.failures.process_group_timeout_s)
+        t["store"] = time.time()
         backend = cdist.init_process_group(
             store, self.rank, self.world_size, device, cfg.failures.process_group_timeout_s
         )

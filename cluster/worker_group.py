@@ -51,6 +51,9 @@ class _WorkerActor:
     def bind_store(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), self.worker.bind_store()
 
+    def connect(self, host: str, port: int) -> None:
+        self.worker.connect(host, port)
+
     def setup(self, host: str, port: int, peers: PeerPlan | None = None) -> SetupInfo:
         return self.worker.setup(host, port, peers).info
 
@@ -165,6 +168,8 @@ class RayWorkerGroup:
         self.nodes = self._get([a.node.remote() for a in self.actors], timeout)
         _check_same_code(self._get([a.code.remote() for a in self.actors], timeout), self.nodes)
         host, port = self._get([self.actors[0].bind_store.remote()], timeout)[0]
+        for wave in connect_waves(world_size):
+            self._get([self.actors[r].connect.remote(host, port) for r in wave], timeout)
         infos: list[SetupInfo] = self._get([a.setup.remote(host, port, peers) for a in self.actors], timeout)
         for info, (node_id, _) in zip(infos, self.nodes):
             info.node_id = node_id
@@ -555,6 +560,26 @@ def _collateral(message: str) -> bool:
 def _fmt(res: dict[str, float]) -> str:
     keep = {k: v for k, v in res.items() if not k.startswith(("node:", "memory", "object_store"))}
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(keep.items())) + "}"
+
+
+CONNECT_WAVE = 16
+"""Ranks that connect to rank 0's store at once in the first wave; each later wave doubles."""
+
+
+def connect_waves(world_size: int) -> list[list[int]]:
+    """Ranks 1..N-1 in waves of 16, 32, 64, ...: a wave starts once the previous one is connected.
+
+    Measured with torch 2.13 on 2 cores: when 31 clients connect to a fresh TCPStore at the same instant
+    (libuv backend or not; the listen backlog is 4096), about half of them take 5 s, in the product and
+    in a bare script alike; 15 first and then the rest, every one connects in under 0.1 s. In the product
+    at 32 ranks the store phase went from 5.07 s to 0.085 s (the whole rendezvous from 5.9 s to 0.89 s),
+    for one more round trip per wave (about log2 N waves)."""
+    waves, start, size = [], 1, CONNECT_WAVE
+    while start < world_size:
+        waves.append(list(range(start, min(world_size, start + size))))
+        start += size
+        size *= 2
+    return waves
 
 
 def _kill(actor: Any, what: str) -> None:
