@@ -1,4 +1,4 @@
-"""Inspect runs in storage (any fsspec URL: a folder, s3://, gs://, memory://). Needs no Ray.
+"""Inspect runs in storage (a folder or an fsspec URL: s3://, gs://, abfs://). Needs no Ray.
 
     python -m cluster list ./runs                          # one line per run
     python -m cluster show ./runs/tiny-cpu                 # config, failures, checkpoints, metrics
