@@ -426,10 +426,12 @@ class Driver:
             "lr": head.step_rows[-1]["lr"] if head.step_rows else None,
             **{f"m_{k}": v for k, v in head.metrics.items()},
         }
-        step_rows, self._rows = self._rows + head.step_rows, []
-        rows = [{"kind": "step", **r} for r in step_rows] + [epoch_row]
-        write_metrics(self.storage, rows, head.epoch, self.attempt)
-        self._track(rows)
+        streamed, self._rows = self._rows, []  # tracked as their heartbeats brought them
+        unstreamed = [{"kind": "step", **r} for r in head.step_rows] + [epoch_row]
+        write_metrics(
+            self.storage, [{"kind": "step", **r} for r in streamed] + unstreamed, head.epoch, self.attempt
+        )
+        self._track(unstreamed)
         for c in head.commits:
             self._commit_event(c)
         if recovery is not None and head.first_step_at is not None:
@@ -578,6 +580,7 @@ class Driver:
         for b in beats:
             if b is not None and b.rows:
                 self._rows.extend(b.rows)
+                self._track([{"kind": "step", **r} for r in b.rows])  # live in TensorBoard / MLflow
         return beats
 
     def _flush_rows(self, more: list[dict[str, Any]]) -> None:
@@ -586,7 +589,7 @@ class Driver:
         if rows:
             step_rows = [{"kind": "step", **r} for r in rows]
             write_metrics(self.storage, step_rows, self.epoch, self.attempt)
-            self._track(step_rows)
+            self._track(step_rows[len(rows) - len(more) :])  # the heartbeats' rows are tracked already
 
     def _fail(self, exc: BaseException) -> Failed:
         self.events.append("run_failed", error=str(exc)[:4000])
