@@ -131,16 +131,12 @@ def _fault_stats(
 
 
 def read_events(run: str) -> list[dict[str, Any]]:
-    """Every record of a run's event log, oldest first: ``events.jsonl`` and any ``events/*.jsonl`` segments
-    under the run folder (the storage may keep the log in numbered segments)."""
-    paths = glob.glob(os.path.join(run, "events.jsonl")) + glob.glob(os.path.join(run, "events", "*.jsonl"))
-    records: list[dict[str, Any]] = []
-    for path in sorted(paths):
-        with open(path) as fh:
-            records.extend(json.loads(line) for line in fh if line.strip())
-    return sorted(
-        records, key=lambda e: float(e.get("time", 0.0))
-    )  # stable: same-time records keep file order
+    """Every record of a run's event log, oldest first (the product's own reader: a legacy
+    ``events.jsonl``, then the ``events/*.jsonl`` segments)."""
+    from cluster.metrics import read_event_log
+    from cluster.storage import Storage
+
+    return read_event_log(Storage(run))
 
 
 def product_breakdown(
