@@ -113,6 +113,7 @@ class _Feeder:
         self.cond = threading.Condition()
         self.dropped = 0
         self.closing = False
+        self.deadline = float("inf")  # set by stop(): a failing sink gives up then, not at process exit
         self.opened = False
         self.failing: str | None = None
         self.thread = threading.Thread(target=self._run, name=f"cluster-tracking-{sink.name}", daemon=True)
@@ -152,8 +153,10 @@ class _Feeder:
                     )
                     self.note("tracking_error", sink=self.sink.name, error=why, pending=self.pending())
                 self.failing = why
+                if time.monotonic() >= self.deadline:
+                    break  # closed and out of time: what is left is reported by Tracker.close
                 with self.cond:
-                    self.cond.wait(delay)
+                    self.cond.wait(min(delay, max(0.0, self.deadline - time.monotonic())))
                 delay = min(delay * 2, BACKOFF_MAX_S)
                 continue
             last = batch[-1].seq
@@ -176,6 +179,7 @@ class _Feeder:
     def stop(self, deadline: float) -> None:
         with self.cond:
             self.closing = True
+            self.deadline = deadline
             self.cond.notify_all()
         self.thread.join(max(0.0, deadline - time.monotonic()))
 

@@ -96,6 +96,9 @@ def test_queue_is_bounded_and_close_keeps_its_deadline(monkeypatch: pytest.Monke
     assert time.monotonic() - t0 < 3
     assert left == {"unsent": {"flaky": 10}, "dropped": {"flaky": 16}}  # 25 rows + the summary, 10 kept
     assert sink.got == []
+    feeder = tracker._feeders[0]
+    feeder.thread.join(2)
+    assert not feeder.thread.is_alive()  # a failing sink stops retrying at the deadline
 
 
 class RowsGroup(ScriptedGroup):
