@@ -2,8 +2,10 @@
 
 Sampler contract: epoch ``e`` trains the global permutation ``perm(seed, e)`` of the dataset in order,
 ``global_batch_size`` samples per step. At step ``s`` rank ``r`` of ``W`` takes
-``perm[s*B:(s+1)*B][r::W]``, which is exactly what ``torch.utils.data.DistributedSampler`` gives rank
-``r`` when the per-rank batch is ``B/W``. Because a step's global batch does not depend on ``W``, a run
+``perm[s*B:(s+1)*B][r::W]``, which is exactly what ``torch.utils.data.DistributedSampler(shuffle=True,
+seed=seed, drop_last=True)`` gives rank ``r`` after ``set_epoch(e)``, ``B/W`` samples per step: ``perm`` is
+``randperm`` seeded with ``seed + e``, as there (runs begun before that, with another seed than 0, keep
+their own order: :data:`LEGACY_ORDER`). Because a step's global batch does not depend on ``W``, a run
 resumed at step ``s`` (global sample offset ``s*B``) with any world size trains the rest of the epoch
 without repeating or skipping a sample.
 """
@@ -19,9 +21,27 @@ from torch.utils.data import Dataset, Sampler
 
 from cluster.errors import ConfigError
 
+LEGACY_ORDER = 1
+"""Epoch ``e`` permutes with ``randperm`` seeded ``seed * 1_000_003 + e``: runs started before order 2."""
+TORCH_ORDER = 2
+"""Epoch ``e`` permutes with ``randperm`` seeded ``seed + e``, as ``DistributedSampler`` does: new runs."""
+ORDERS = (LEGACY_ORDER, TORCH_ORDER)
+
+
+def epoch_seed(seed: int, epoch: int, order: int) -> int:
+    """The seed of epoch ``epoch``'s permutation under ``order`` (for seed 0 both orders agree)."""
+    if order == TORCH_ORDER:
+        return seed + epoch
+    if order == LEGACY_ORDER:
+        return seed * 1_000_003 + epoch
+    raise ValueError(f"unknown sampler order {order}; known: {ORDERS}")
+
 
 class ResumableDistributedSampler(Sampler[torch.Tensor]):
-    """Yields, for one rank, the index tensor of its share of each step's global batch."""
+    """Yields, for one rank, the index tensor of its share of each step's global batch.
+
+    ``order`` picks how each epoch's permutation is seeded (:data:`TORCH_ORDER` for new runs; a resumed run
+    keeps the order its checkpoint was written with, see ``TrainState.sampler_order``)."""
 
     def __init__(
         self,
@@ -31,6 +51,7 @@ class ResumableDistributedSampler(Sampler[torch.Tensor]):
         world_size: int,
         seed: int = 0,
         max_steps_per_epoch: int | None = None,
+        order: int = TORCH_ORDER,
     ) -> None:
         if num_samples < global_batch_size:
             raise ConfigError(
@@ -42,10 +63,12 @@ class ResumableDistributedSampler(Sampler[torch.Tensor]):
         self.rank = rank
         self.world_size = world_size
         self.seed = seed
+        self.order = order
         self.max_steps_per_epoch = max_steps_per_epoch
         self.epoch = 0
         self.start_step = 0
         self._perm: torch.Tensor | None = None
+        self._perm_key: tuple[int, int] | None = None  # (epoch, order) of _perm
 
     @property
     def steps_per_epoch(self) -> int:
@@ -57,10 +80,11 @@ class ResumableDistributedSampler(Sampler[torch.Tensor]):
         """Select the epoch's permutation and where in it to start (resume)."""
         if not 0 <= start_step <= self.steps_per_epoch:
             raise ValueError(f"start_step={start_step} outside 0..{self.steps_per_epoch}")
-        if epoch != self.epoch or self._perm is None:
+        if self._perm is None or self._perm_key != (epoch, self.order):
             g = torch.Generator()
-            g.manual_seed(self.seed * 1_000_003 + epoch)
+            g.manual_seed(epoch_seed(self.seed, epoch, self.order))
             self._perm = torch.randperm(self.num_samples, generator=g)
+            self._perm_key = (epoch, self.order)
         self.epoch = epoch
         self.start_step = start_step
 
@@ -70,7 +94,7 @@ class ResumableDistributedSampler(Sampler[torch.Tensor]):
         return self._perm[step * b : (step + 1) * b]
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        if self._perm is None:
+        if self._perm is None or self._perm_key != (self.epoch, self.order):
             self.set_epoch(self.epoch, self.start_step)
         for step in range(self.start_step, self.steps_per_epoch):
             yield self.global_batch(step)[self.rank :: self.world_size]

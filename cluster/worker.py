@@ -24,7 +24,7 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from cluster import dist as cdist
 from cluster.checkpoint import CheckpointStore, CheckpointWriter, CommitRecord, step_dir
 from cluster.config import FaultSpec, JobConfig, parse_fault_env
-from cluster.data import ResumableDistributedSampler, fetch_batch
+from cluster.data import LEGACY_ORDER, ORDERS, TORCH_ORDER, ResumableDistributedSampler, fetch_batch
 from cluster.errors import CheckpointError, WorkerError
 from cluster.peer import PeerPlan, PeerState, Transfer, broadcast_state, state_digest
 from cluster.process import set_niceness, tune_process
@@ -52,7 +52,8 @@ class TrainState:
 
     :meth:`state_dict` writes every field and :meth:`from_state_dict` reads every field back, so what is
     saved and what is loaded cannot drift apart. The sampler needs no state of its own: it is a pure
-    function of (seed, epoch, step_in_epoch), and each step reseeds the RNGs from (seed, step, rank).
+    function of (seed, sampler_order, epoch, step_in_epoch), and each step reseeds the RNGs from (seed, step,
+    rank).
     """
 
     global_step: int
@@ -67,9 +68,14 @@ class TrainState:
     """training.seed of the run; resuming with another seed would change the data order mid-run."""
     optimizer: dict[str, Any]
     scheduler: dict[str, Any] | None
+    sampler_order: int
+    """How the run's sampler seeds each epoch's permutation (``cluster.data.LEGACY_ORDER`` or
+    ``TORCH_ORDER``): fixed for the life of a run, so a resumed run keeps its data order."""
 
     # Keys that checkpoints written by earlier versions carry and that resume does not need.
     LEGACY_KEYS = frozenset({"sample_offset", "rng"})
+    # Fields that checkpoints written by earlier versions lack, with the value that reproduces what they did.
+    OLD_DEFAULTS: ClassVar[dict[str, Any]] = {"sampler_order": LEGACY_ORDER}
 
     def state_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -77,6 +83,7 @@ class TrainState:
     @classmethod
     def from_state_dict(cls, state: dict[str, Any], where: str = "train_state.pt") -> TrainState:
         names = {f.name for f in fields(cls)}
+        state = {**cls.OLD_DEFAULTS, **state}
         missing = names - set(state)
         unknown = set(state) - names - cls.LEGACY_KEYS
         if missing or unknown:
@@ -93,7 +100,17 @@ class TrainState:
             seed=int(state["seed"]),
             optimizer=state["optimizer"],
             scheduler=state["scheduler"],
+            sampler_order=_sampler_order(state["sampler_order"], where),
         )
+
+
+def _sampler_order(value: Any, where: str) -> int:
+    if value not in ORDERS:
+        raise CheckpointError(
+            f"{where} has sampler_order={value!r}, which this version does not know (it knows {ORDERS}). "
+            "Resume with the version of cluster that wrote it, or start a new run name"
+        )
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -204,6 +221,7 @@ class Worker:
         self.global_step = 0
         self.epoch = 0
         self.step_in_epoch = 0
+        self.sampler_order = TORCH_ORDER  # a new run's; resuming takes the checkpoint's (TrainState)
         self.session: TrainSession | None = None
         self._last_step_at = time.time()
         self._max_step_time = 0.0
@@ -308,6 +326,7 @@ class Worker:
             t["ddp"] = time.time()
             resume, skipped = self._resume(ckpt_store, raw_model, optimizer, scheduler)
             t["checkpoint_load"] = time.time()
+        sampler.order = self.sampler_order  # the resumed run's (a new run's when nothing was resumed)
         writer = kept.writer if kept is not None else None  # rank 0's upload in flight carries on
         if self.rank == 0 and writer is None:
             writer = CheckpointWriter(ckpt_store, cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
@@ -378,6 +397,7 @@ class Worker:
                 if scheduler is not None and ts.scheduler is not None:
                     scheduler.load_state_dict(ts.scheduler)
                 self.global_step, self.epoch, self.step_in_epoch = ts.global_step, ts.epoch, ts.step_in_epoch
+                self.sampler_order = ts.sampler_order
             del payload
         if group is not None and self.rank in takers:
             dist.destroy_process_group(group)
@@ -416,6 +436,7 @@ class Worker:
             seed=self.cfg.training.seed,
             optimizer=optimizer.state_dict(),
             scheduler=scheduler.state_dict() if scheduler is not None else None,
+            sampler_order=self.sampler_order,
         )
 
     def release(self, rank: int, world_size: int, attempt: int) -> PeerState | None:
@@ -508,6 +529,7 @@ class Worker:
         dist.broadcast_object_list(choice, src=0)
         step, skipped, nbytes = choice
         if step is None:
+            self.sampler_order = TORCH_ORDER
             return ResumePoint(0, 0, 0, None), skipped
         if files is None:
             files = store.load_step(step)
@@ -523,6 +545,7 @@ class Worker:
         if scheduler is not None and state.scheduler is not None:
             scheduler.load_state_dict(state.scheduler)
         self.global_step, self.epoch, self.step_in_epoch = state.global_step, state.epoch, state.step_in_epoch
+        self.sampler_order = state.sampler_order
         return ResumePoint(
             state.global_step,
             state.epoch,
@@ -709,6 +732,7 @@ class Worker:
             seed=self.cfg.training.seed,
             optimizer=s.optimizer.state_dict(),
             scheduler=s.scheduler.state_dict() if s.scheduler is not None else None,
+            sampler_order=self.sampler_order,
         )
 
     def _checkpoint(self, s: TrainSession) -> float:
@@ -797,6 +821,7 @@ class Worker:
         self._store = None
         self.rank, self.world_size, self.attempt = rank, world_size, attempt
         self.global_step = self.epoch = self.step_in_epoch = 0
+        self.sampler_order = TORCH_ORDER
         self._max_step_time = 0.0
         self._last_step_at = time.time()
         self.faults = self._faults()

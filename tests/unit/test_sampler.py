@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from cluster.data import ResumableDistributedSampler
+from cluster.data import LEGACY_ORDER, TORCH_ORDER, ResumableDistributedSampler
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -36,24 +36,64 @@ def test_epochs_differ_and_are_reproducible() -> None:
     assert not torch.equal(a, shards(256, 32, 2, epoch=0, seed=1)[0][0])
 
 
-def test_matches_torch_distributed_sampler_sharding() -> None:
-    """Same permutation -> rank r gets what DistributedSampler gives it, batch by batch."""
-    n, b, world, epoch = 512, 32, 4, 2
-    mine = shards(n, b, world, epoch)
-    perm = ResumableDistributedSampler(n, b, 0, world)
-    perm.set_epoch(epoch)
-    assert perm._perm is not None
-    order = perm._perm.tolist()
+class _Sized(torch.utils.data.Dataset[int]):
+    def __init__(self, n: int) -> None:
+        self.n = n
 
-    class Perm(torch.utils.data.Dataset[int]):
-        def __len__(self) -> int:
-            return n
+    def __len__(self) -> int:
+        return self.n
 
-    for r in range(world):
-        ds = DistributedSampler(Perm(), num_replicas=world, rank=r, shuffle=False, drop_last=True)
-        theirs = [order[i] for i in ds]
-        flat = torch.cat(mine[r]).tolist()
-        assert flat == theirs[: len(flat)]
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7, 12345])
+@pytest.mark.parametrize(("n", "b", "world"), [(512, 32, 4), (1000, 48, 3), (300, 20, 1), (97, 8, 2)])
+def test_each_rank_gets_what_torch_distributed_sampler_gives_it_for_every_seed(
+    seed: int, n: int, b: int, world: int
+) -> None:
+    """Rank r's batches, flattened, are DistributedSampler(shuffle=True, seed, drop_last=True)'s indices for
+    rank r after set_epoch(e), in order (up to the last full global batch)."""
+    for epoch in (0, 1, 5):
+        mine = shards(n, b, world, epoch, seed=seed)
+        for r in range(world):
+            ds = DistributedSampler(
+                _Sized(n), num_replicas=world, rank=r, shuffle=True, seed=seed, drop_last=True
+            )
+            ds.set_epoch(epoch)
+            theirs = list(ds)
+            steps = n // b
+            assert len(mine[r]) == steps and all(len(x) == b // world for x in mine[r])
+            assert torch.cat(mine[r]).tolist() == theirs[: steps * (b // world)]
+
+
+def test_resume_mid_epoch_continues_torch_distributed_sampler_order() -> None:
+    n, b, world, seed, cut = 480, 24, 3, 7, 5
+    ds = DistributedSampler(_Sized(n), num_replicas=world, rank=1, shuffle=True, seed=seed, drop_last=True)
+    ds.set_epoch(2)
+    mine = ResumableDistributedSampler(n, b, 1, world, seed=seed)
+    mine.set_epoch(2, cut)
+    per = b // world
+    assert torch.cat(list(mine)).tolist() == list(ds)[cut * per : (n // b) * per]
+
+
+def test_legacy_order_keeps_the_old_permutation_and_equals_the_new_one_for_seed_0() -> None:
+    n, b = 256, 32
+    for seed in (0, 3):
+        legacy = ResumableDistributedSampler(n, b, 0, 1, seed=seed, order=LEGACY_ORDER)
+        legacy.set_epoch(2)
+        g = torch.Generator().manual_seed(seed * 1_000_003 + 2)  # what runs before order 2 trained
+        assert torch.cat(list(legacy)).tolist() == torch.randperm(n, generator=g)[: (n // b) * b].tolist()
+        new = ResumableDistributedSampler(n, b, 0, 1, seed=seed, order=TORCH_ORDER)
+        new.set_epoch(2)
+        assert (torch.cat(list(new)).tolist() == torch.cat(list(legacy)).tolist()) == (seed == 0)
+    # telling the sampler its order after set_epoch (as resume does) takes effect on the next iteration
+    s = ResumableDistributedSampler(n, b, 0, 1, seed=3)
+    s.set_epoch(2)
+    s.order = LEGACY_ORDER
+    assert torch.cat(list(s)).tolist() == torch.cat(list(legacy)).tolist()
+    with pytest.raises(ValueError, match="unknown sampler order 9"):
+        ResumableDistributedSampler(n, b, 0, 1, order=9).set_epoch(0)
 
 
 @pytest.mark.parametrize(("world_before", "world_after"), [(2, 2), (4, 2), (2, 3), (3, 1)])

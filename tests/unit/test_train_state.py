@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cluster.checkpoint import deserialize, serialize
+from cluster.data import LEGACY_ORDER, TORCH_ORDER
 from cluster.errors import CheckpointError
 from cluster.worker import TrainState, _extra_metrics
 
@@ -38,11 +39,13 @@ def test_every_field_written_is_read_back_through_a_checkpoint_file() -> None:
         seed=7,
         optimizer=opt.state_dict(),
         scheduler=sched.state_dict(),
+        sampler_order=TORCH_ORDER,
     )
     written = state.state_dict()
     assert set(written) == {f.name for f in dataclasses.fields(TrainState)}
     back = TrainState.from_state_dict(deserialize(serialize(written)))
     assert (back.global_step, back.epoch, back.step_in_epoch, back.world_size, back.seed) == (3, 1, 2, 4, 7)
+    assert back.sampler_order == TORCH_ORDER
     # the optimizer and scheduler state load into fresh objects and continue identically
     _, opt2, sched2 = _trained()
     fresh = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -57,7 +60,7 @@ def test_every_field_written_is_read_back_through_a_checkpoint_file() -> None:
 
 def test_a_missing_or_unknown_key_is_a_clear_error_and_old_checkpoints_still_load() -> None:
     _, opt, _ = _trained()
-    good = TrainState(1, 0, 1, 2, 0, opt.state_dict(), None).state_dict()
+    good = TrainState(1, 0, 1, 2, 0, opt.state_dict(), None, TORCH_ORDER).state_dict()
     with pytest.raises(CheckpointError, match=r"missing \['seed'\]"):
         TrainState.from_state_dict(
             {k: v for k, v in good.items() if k != "seed"}, "s3://b/run/step_1/train_state.pt"
@@ -67,6 +70,21 @@ def test_a_missing_or_unknown_key_is_a_clear_error_and_old_checkpoints_still_loa
     # what earlier versions wrote besides these fields (derivable, or unused by exact resume) is accepted
     legacy = {**good, "sample_offset": 32, "rng": {"torch": torch.get_rng_state()}}
     assert TrainState.from_state_dict(legacy).global_step == 1
+    with pytest.raises(CheckpointError, match=r"step_1/train_state.pt has sampler_order=7"):
+        TrainState.from_state_dict({**good, "sampler_order": 7}, "s3://b/run/step_1/train_state.pt")
+
+
+def test_a_train_state_without_sampler_order_resumes_in_the_legacy_order() -> None:
+    """Checkpoints written before ``sampler_order`` existed trained the legacy permutation: a resumed run must
+    keep it, or its data order would change mid-run (for seeds other than 0)."""
+    _, opt, _ = _trained()
+    new = TrainState(1, 0, 1, 2, 5, opt.state_dict(), None, TORCH_ORDER).state_dict()
+    old = {k: v for k, v in new.items() if k != "sampler_order"}
+    back = TrainState.from_state_dict(deserialize(serialize(old)))
+    assert back.sampler_order == LEGACY_ORDER
+    assert TrainState.from_state_dict(deserialize(serialize(new))).sampler_order == TORCH_ORDER
+    # and it is written back, so the next checkpoint of that run says so explicitly
+    assert back.state_dict()["sampler_order"] == LEGACY_ORDER
 
 
 def test_extra_metrics_accept_numbers_and_scalar_tensors_and_name_what_is_wrong() -> None:
