@@ -586,7 +586,8 @@ class Worker:
         s.model.train()
         self._in_epoch = True
         self._last_step_at = time.time()
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        # Sums stay on the device: read at log steps and at the epoch's end, never per step (no host sync).
+        loss_sum = torch.zeros((), dtype=torch.float64, device=s.device)
         metric_sums: dict[str, Any] = {}
         t_epoch = time.perf_counter()
         first_step_at = None
@@ -647,10 +648,11 @@ class Worker:
 
     def _train_step(self, s: TrainSession, local_idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         """One optimizer step over this rank's share of the global batch. Returns the detached mean loss and
-        the mean of each extra metric ``compute_loss`` returned (tensors stay on the device: no sync here)."""
+        the mean of each extra metric ``compute_loss`` returned, as device tensors: nothing here waits for the
+        device (the caller reads them at log steps only)."""
         tcfg = self.cfg.training
         chunks = [c for c in torch.tensor_split(local_idx, tcfg.grad_accum_steps) if len(c)]
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=s.device)
         if self._fault_now("crash_in_backward"):
             # the first parameter's gradient comes last in backward: the other ranks are in the all-reduce
             first = next(s.raw_model.parameters())
@@ -664,7 +666,7 @@ class Worker:
                 # DDP averages over ranks: scaling by n*W/B makes that average the global-batch mean.
                 scale = len(chunk) * self.world_size / tcfg.global_batch_size
                 (loss * scale if scale != 1.0 else loss).backward()
-            total += loss.detach().double().cpu() * len(chunk)
+            total += loss.detach().double() * len(chunk)
             for k, v in _extra_metrics(extra).items():
                 metrics[k] = metrics.get(k, 0.0) + v * (len(chunk) / len(local_idx))
         if tcfg.grad_clip is not None:
