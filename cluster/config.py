@@ -54,12 +54,12 @@ class ScalingConfig:
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for every worker process."""
     worker_niceness: int | None = 0
-    """Niceness of the training processes (-20..19). Ray starts workers at 15, so any daemon's wakeup
-    stalls the gang on a full node; 0 trains at normal priority. Lowering needs CAP_SYS_NICE: on a
-    cluster start Ray with ``RAY_worker_niceness=0`` (docs/tuning.md). null keeps Ray's."""
+    """Niceness of the training processes (-20..19). Ray starts workers at 15, where any daemon's wakeup
+    stalls the gang; 0 is normal priority. Lowering needs CAP_SYS_NICE, or Ray started with
+    ``RAY_worker_niceness=0`` (docs/tuning.md). null keeps Ray's."""
     tune_allocator: bool = True
-    """Keep glibc's allocator from returning freed memory to the kernel after every step (``mallopt``), so
-    the next step does not fault it back in; a worker keeps up to its peak heap (docs/tuning.md)."""
+    """Keep glibc from returning freed memory to the kernel after every step (``mallopt``), so the next
+    step does not fault it back in; a worker keeps its peak heap (docs/tuning.md)."""
 
 
 @dataclass
@@ -84,6 +84,11 @@ class TrainingConfig:
     """Keep DDP's first gradient-bucket layout all run (``find_unused_parameters=True``: no bucket rebuild),
     so a resumed run is bitwise equal to an uninterrupted one beyond 2 ranks (docs/performance.md).
     ``false``: DDP's default."""
+    sync_batchnorm: bool = False
+    """BatchNorm layers become ``SyncBatchNorm`` (global-batch statistics). GPU jobs only (torch's needs
+    CUDA)."""
+    compile: bool = False
+    """``torch.compile`` the DDP model; checkpoints hold plain weights. CPU jobs need a C++ compiler."""
 
 
 @dataclass
@@ -129,20 +134,20 @@ class FailureConfig:
     """Lower bound on the automatic hang timeout (and the timeout before the first step is seen)."""
     backoff_s: float = 1.0
     """The first restart after progress is immediate; a second failure before an epoch completes waits
-    this long, doubling per further failure up to ``backoff_max_s``."""
+    this long, doubling per failure up to ``backoff_max_s``."""
     backoff_max_s: float = 30.0
     """Upper bound on the restart wait."""
     warm_restart: bool = True
-    """After a worker dies or raises, reuse the healthy workers' processes (task and dataset already
-    loaded) and replace only the lost ones. Lost nodes and hangs always get fresh workers."""
+    """After a worker dies or raises, keep the healthy workers' processes (task and dataset loaded) and
+    replace only the lost ones. Lost nodes and hangs always get fresh workers."""
     hot_spare: bool | Literal["auto"] = "auto"
-    """CPU jobs: keep one idle, prepared worker process that replaces a dead one at once (costs one
-    worker's memory). ``auto``: only when a node has a worker's CPU share the job does not use; ``true``:
-    always; ``false``: never. Not for GPU jobs (docs/failures.md)."""
+    """CPU jobs: keep one idle, prepared worker process to replace a dead one at once (one worker's
+    memory). ``auto``: only where a node has a worker's CPU share spare; ``true``: always; ``false``:
+    never. Not for GPU jobs (docs/failures.md)."""
     recover_from_peers: bool = True
-    """After a worker dies or raises, a survivor sends its in-memory state to the replacement: at most one
-    step lost, nothing read from storage. Falls back to the latest checkpoint when it cannot be trusted
-    (docs/failures.md). Needs ``warm_restart``."""
+    """After a worker dies or raises, a survivor sends its in-memory state to the replacement (at most one
+    step lost); the latest checkpoint when that cannot be trusted (docs/failures.md). Needs
+    ``warm_restart``."""
     process_group_timeout_s: float = 300.0
     """Timeout of collectives in the process group (init_process_group ``timeout``)."""
     inject: list[FaultSpec] = field(default_factory=list)
@@ -414,6 +419,11 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"training.max_steps_per_epoch={t.max_steps_per_epoch} must be at least 1, or null")
     if t.log_every_steps < 1:
         raise ConfigError(f"training.log_every_steps={t.log_every_steps} must be at least 1")
+    if t.sync_batchnorm and not s.use_gpu:
+        raise ConfigError(
+            "training.sync_batchnorm=true needs scaling.use_gpu=true: torch's SyncBatchNorm runs only on "
+            "GPUs. Set training.sync_batchnorm=false for a CPU job"
+        )
     if c.every_steps < 0:
         raise ConfigError(f"checkpoint.every_steps={c.every_steps} must be 0 (off) or positive")
     if c.every_epochs < 0:

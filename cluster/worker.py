@@ -295,7 +295,10 @@ class Worker:
             raw_model, optimizer, scheduler = kept.raw_model, kept.optimizer, kept.scheduler
         else:
             torch.manual_seed(cfg.training.seed)  # the same init on every rank (DDP broadcasts rank 0's too)
-            raw_model = task.build_model().to(device)
+            raw_model = task.build_model()
+            if cfg.training.sync_batchnorm:
+                raw_model = nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
+            raw_model = raw_model.to(device)
         t["task"] = time.time()
 
         sampler = ResumableDistributedSampler(
@@ -357,11 +360,22 @@ class Worker:
         return self.session
 
     def _ddp(self, raw_model: nn.Module, device: torch.device) -> DDP:
-        return DDP(
+        """Wrap for training. ``gradient_as_bucket_view``: after backward the gradients are views into DDP's
+        buckets, not a second copy (same values). Buffers (BatchNorm's running statistics) are broadcast
+        from rank 0 before each forward only where there are any (``forward_sync_buffers``, torch 2.13's
+        name for ``broadcast_buffers``; at init they are always synced). With training.compile the wrapper's
+        forward is compiled in place, so the model stays a DDP and ``raw_model`` the plain module a
+        checkpoint holds."""
+        model = DDP(
             raw_model,
             device_ids=[device.index] if device.type == "cuda" else None,
             find_unused_parameters=self.cfg.training.fixed_buckets,  # see TrainingConfig.fixed_buckets
+            gradient_as_bucket_view=True,
+            forward_sync_buffers=any(True for _ in raw_model.buffers()),
         )
+        if self.cfg.training.compile:
+            model.compile()
+        return model
 
     # ----------------------------------------------------------------- recovery from peers
     def _payload(self, raw_model: nn.Module, state: TrainState) -> dict[str, Any]:

@@ -39,9 +39,12 @@ def _entry(
     port_q: Any,
     attempt: int,
     grads: bool,
+    gpus: list[str] | None,
 ) -> None:
     try:
         os.environ["OMP_NUM_THREADS"] = "1"
+        if gpus:  # one GPU per rank, as Ray gives each worker (the worker takes the first visible device)
+            os.environ["CUDA_VISIBLE_DEVICES"] = gpus[rank]
         worker = Worker(cfg, rank, world, run_url, attempt)
         if rank == 0:
             port = worker.bind_store()
@@ -103,8 +106,11 @@ def run_workers(
     """Start ``world`` processes, run ``plan`` (list of (epoch, start_step)), return each rank's result."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
+    gpus = _gpu_ids() if cfg.scaling.use_gpu and world > 1 else None
+    if gpus is not None and len(gpus) < world:
+        raise RuntimeError(f"{world} GPU ranks need {world} GPUs; this machine shows {len(gpus)}")
     procs = [
-        ctx.Process(target=_entry, args=(r, world, cfg, run_url, plan, out, q, attempt, grads))
+        ctx.Process(target=_entry, args=(r, world, cfg, run_url, plan, out, q, attempt, grads, gpus))
         for r in range(world)
     ]
     for p in procs:
@@ -125,3 +131,10 @@ def run_workers(
                 p.kill()
                 p.join(5)
     return [torch.load(f"{out}/rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _gpu_ids() -> list[str]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        return [v.strip() for v in visible.split(",") if v.strip()]
+    return [str(i) for i in range(torch.cuda.device_count())]

@@ -30,6 +30,12 @@ BAD = [
     (["scaling.worker_niceness=20"], "scaling.worker_niceness=20 is not a niceness; use -20..19"),
     (["training.amp=fp8"], "training.amp='fp8' is not allowed"),
     (["training.grad_clip=-1"], "training.grad_clip=-1.0 must be positive"),
+    (
+        ["training.sync_batchnorm=true"],
+        "training.sync_batchnorm=true needs scaling.use_gpu=true: torch's SyncBatchNorm runs only on "
+        "GPUs. Set training.sync_batchnorm=false for a CPU job",
+    ),
+    (["training.compile=maybe"], "training.compile must be true or false"),
     (["checkpoint.keep_last=0"], "checkpoint.keep_last=0 must be at least 1"),
     (["checkpoint.every_steps=-5"], "checkpoint.every_steps=-5 must be 0 (off) or positive"),
     (["failures.max_failures=-2"], "failures.max_failures=-2 must be -1 (unlimited)"),

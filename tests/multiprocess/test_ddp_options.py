@@ -1,0 +1,183 @@
+"""The worker's DDP wrap over real gloo process groups: bitwise what a hand-written DDP loop with
+``DistributedSampler`` and ``DataLoader`` computes on a plain map-style dataset (with and without buffers),
+and ``training.compile`` trains what eager mode trains."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from cluster.checkpoint import CheckpointStore
+from cluster.config import JobConfig
+from cluster.storage import Storage
+from cluster.task import Task, build_task
+from tests.multiprocess.mp_helpers import run_workers, tiny_config
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+TASK = f"{__name__}:MapStyleTask"
+
+
+class PairDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """A plain map-style dataset: one sample per ``__getitem__``, no ``get_batch`` (batches are collated)."""
+
+    def __init__(self, n: int, features: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, features, generator=g)
+        self.y = (self.x[:, 0] + 0.5 * self.x[:, 1] > 0).long()
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+class MapStyleTask(Task):
+    """task_args: samples (400), features (6), batchnorm (false), lr (0.05)."""
+
+    def build_model(self) -> nn.Module:
+        f = int(self.args.get("features", 6))
+        norm: list[nn.Module] = [nn.BatchNorm1d(16)] if self.args.get("batchnorm") else []
+        return nn.Sequential(nn.Linear(f, 16), *norm, nn.ReLU(), nn.Linear(16, 2))
+
+    def build_train_dataset(self) -> PairDataset:
+        return PairDataset(int(self.args.get("samples", 400)), int(self.args.get("features", 6)))
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(model.parameters(), lr=float(self.args.get("lr", 0.05)), momentum=0.9)
+
+    def compute_loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        x, y = batch
+        return nn.functional.cross_entropy(model(x), y), {}
+
+
+def _config(storage: str, overrides: list[str]) -> JobConfig:
+    return tiny_config(
+        storage,
+        [
+            f"task={TASK}",
+            "training.seed=7",
+            "training.epochs=2",
+            "training.max_steps_per_epoch=5",
+            "checkpoint.every_epochs=0",
+            *overrides,
+        ],
+    )
+
+
+def _bare_ddp(rank: int, world: int, cfg: JobConfig, port: int, out: str) -> None:
+    """What a user writes by hand: DDP with its defaults, DistributedSampler + DataLoader, set_epoch."""
+    try:
+        torch.set_num_threads(1)
+        store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        t = cfg.training
+        task = build_task(cfg.task, cfg.task_args)
+        dataset = task.build_train_dataset()
+        torch.manual_seed(t.seed)
+        model = DDP(task.build_model())
+        optimizer = task.build_optimizer(model.module)
+        sampler = DistributedSampler(dataset, world, rank, shuffle=True, seed=t.seed, drop_last=True)
+        loader = DataLoader(dataset, batch_size=t.global_batch_size // world, sampler=sampler, drop_last=True)
+        for epoch in range(t.epochs):
+            sampler.set_epoch(epoch)
+            for step, batch in enumerate(loader):
+                if step == t.max_steps_per_epoch:
+                    break
+                loss, _ = task.compute_loss(model, batch)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        torch.save(model.module.state_dict(), f"{out}/bare{rank}.pt")
+        dist.destroy_process_group()
+    except BaseException:
+        with open(f"{out}/bare{rank}.err", "w") as fh:
+            fh.write(traceback.format_exc())
+        raise
+    sys.stdout.flush()
+    os._exit(0)  # as mp_helpers._entry: results are on disk, skip the interpreter's teardown
+
+
+def _run_bare(world: int, cfg: JobConfig, out: Path) -> list[dict[str, torch.Tensor]]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_bare_ddp, args=(r, world, cfg, port, str(out))) for r in range(world)]
+    for p in procs:
+        p.start()
+    for r, p in enumerate(procs):
+        p.join(120)
+        if p.is_alive():
+            p.kill()
+        err = out / f"bare{r}.err"
+        assert p.exitcode == 0, err.read_text() if err.exists() else f"exit code {p.exitcode}"
+    return [torch.load(out / f"bare{r}.pt") for r in range(world)]
+
+
+@pytest.mark.parametrize("batchnorm", [False, True], ids=["no-buffers", "batchnorm-buffers"])
+def test_worker_is_bitwise_a_hand_written_ddp_loop_on_a_map_style_dataset(
+    tmp_path: Path, batchnorm: bool
+) -> None:
+    cfg = _config(f"{tmp_path}/s", [f"task_args.batchnorm={str(batchnorm).lower()}"])
+    (tmp_path / "w").mkdir()
+    (tmp_path / "b").mkdir()
+    mine = run_workers(2, cfg, f"{tmp_path}/s/run", [(0, 0), (1, 0)], str(tmp_path / "w"))
+    bare = _run_bare(2, cfg, tmp_path / "b")
+    assert mine[0]["epochs"][-1][1] == 10
+    for rank in range(2):
+        assert mine[rank]["params"].keys() == bare[rank].keys()
+        for name, value in bare[rank].items():
+            torch.testing.assert_close(
+                mine[rank]["params"][name], value, rtol=0, atol=0, msg=f"{rank} {name}"
+            )
+    if batchnorm:
+        # Rank 1's running statistics are rank 0's broadcast before the last forward, updated with rank 1's
+        # last batch: equal to the bare loop's only if the worker broadcasts buffers as DDP's default does.
+        stats = [mine[r]["params"]["1.running_mean"] for r in range(2)]
+        assert not torch.equal(stats[0], stats[1]) and not torch.equal(stats[0], torch.zeros(16))
+
+
+def _cxx_missing() -> bool:
+    return shutil.which(os.environ.get("CXX", "g++")) is None
+
+
+@pytest.mark.skipif(_cxx_missing(), reason="torch.compile's CPU backend needs a C++ compiler (g++ or $CXX)")
+def test_compiled_training_matches_eager_and_checkpoints_the_plain_model(tmp_path: Path) -> None:
+    base = ["training.grad_accum_steps=2", "training.grad_clip=1.0", "training.epochs=1"]
+    (tmp_path / "e").mkdir()
+    (tmp_path / "c").mkdir()
+    eager = run_workers(2, _config(f"{tmp_path}/e", base), f"{tmp_path}/e/run", [(0, 0)], str(tmp_path / "e"))
+    compiled_cfg = _config(f"{tmp_path}/c", [*base, "training.compile=true"])
+    compiled = run_workers(2, compiled_cfg, f"{tmp_path}/c/run", [(0, 0)], str(tmp_path / "c"), timeout=200)
+    moved = False
+    for name, value in eager[0]["params"].items():
+        torch.testing.assert_close(compiled[0]["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(compiled[1]["params"][name], compiled[0]["params"][name], rtol=0, atol=0)
+        moved |= not torch.equal(value, _initial()[name])
+    assert moved
+    # the checkpoint holds the plain module's state dict: it loads into a freshly built model
+    loaded = CheckpointStore(Storage(f"{tmp_path}/c/run")).load_latest()
+    assert loaded is not None and loaded.info.step == 5
+    fresh = build_task(TASK, compiled_cfg.task_args).build_model()
+    fresh.load_state_dict(loaded.files["model.pt"])  # strict: no _orig_mod. or module. prefixes
+    torch.testing.assert_close(fresh.state_dict(), compiled[0]["params"], rtol=0, atol=0)
+
+
+def _initial() -> dict[str, torch.Tensor]:
+    torch.manual_seed(7)
+    return MapStyleTask().build_model().state_dict()
