@@ -89,6 +89,9 @@ class TrainingConfig:
     CUDA)."""
     compile: bool = False
     """``torch.compile`` the DDP model; checkpoints hold plain weights. CPU jobs need a C++ compiler."""
+    deterministic: bool = False
+    """Deterministic torch ops and ``CUBLAS_WORKSPACE_CONFIG=:4096:8``: makes a resumed GPU run bitwise
+    equal to an uninterrupted one (CPU runs are without it). Slower."""
 
 
 @dataclass

@@ -16,12 +16,17 @@ from cluster.config import JobConfig
 
 logger = logging.getLogger(__name__)
 
+DETERMINISTIC_CUBLAS = ":4096:8"
+"""``CUBLAS_WORKSPACE_CONFIG`` for deterministic cuBLAS (NVIDIA's cuBLAS docs, "Results reproducibility")."""
+
 
 @contextlib.contextmanager
 def worker_env(cfg: JobConfig) -> Iterator[None]:
     """Environment a worker process needs before torch starts threads or sockets."""
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, int(cfg.scaling.cpus_per_worker))))
     os.environ.update(cfg.scaling.env)
+    if cfg.training.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", DETERMINISTIC_CUBLAS)
     if cfg.scaling.socket_ifname:
         os.environ["GLOO_SOCKET_IFNAME"] = cfg.scaling.socket_ifname
         os.environ["NCCL_SOCKET_IFNAME"] = cfg.scaling.socket_ifname
@@ -88,12 +93,30 @@ def tune_allocator() -> str:
     return "tuned" if not failed else f"system (mallopt refused {failed})"
 
 
+def make_deterministic() -> None:
+    """training.deterministic: torch raises on an op without a deterministic implementation, and cuBLAS gets
+    the fixed workspace its deterministic mode needs. The workspace is read when CUDA first runs cuBLAS, so
+    this must come before (``worker_env`` sets it for Ray workers, this for processes started otherwise)."""
+    import torch
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", DETERMINISTIC_CUBLAS)
+    if torch.cuda.is_initialized():
+        logger.warning(
+            "training.deterministic: CUDA was initialised before CUBLAS_WORKSPACE_CONFIG was set; if cuBLAS "
+            "already ran, its workspace is not the deterministic one. Set it in scaling.env"
+        )
+    torch.use_deterministic_algorithms(True)
+
+
 def tune_process(cfg: JobConfig) -> str:
-    """What a worker does once, before it builds anything: torch's thread count, the allocator, the
-    niceness of the threads made so far. Returns the allocator's outcome (recorded in ``group_started``)."""
+    """What a worker does once, before it builds anything: torch's thread count, deterministic algorithms
+    (training.deterministic), the allocator, the niceness of the threads made so far. Returns the
+    allocator's outcome (recorded in ``group_started``)."""
     import torch
 
     torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
+    if cfg.training.deterministic:
+        make_deterministic()
     allocator = tune_allocator() if cfg.scaling.tune_allocator else "system"
     set_niceness(cfg.scaling.worker_niceness)
     return allocator

@@ -4,6 +4,7 @@ and ``training.compile`` trains what eager mode trains."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -63,6 +64,21 @@ class MapStyleTask(Task):
     def compute_loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
         x, y = batch
         return nn.functional.cross_entropy(model(x), y), {}
+
+
+class ProbeTask(MapStyleTask):
+    """Records, per rank, what training.deterministic must have set in the worker process."""
+
+    def compute_loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        cur = self.current
+        assert cur is not None
+        probe = {
+            "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "cublas": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        }
+        with open(os.path.join(str(self.args["probe_dir"]), f"rank{cur.rank}.json"), "w") as fh:
+            json.dump(probe, fh)
+        return super().compute_loss(model, batch)
 
 
 def _config(storage: str, overrides: list[str]) -> JobConfig:
@@ -176,6 +192,32 @@ def test_compiled_training_matches_eager_and_checkpoints_the_plain_model(tmp_pat
     fresh = build_task(TASK, compiled_cfg.task_args).build_model()
     fresh.load_state_dict(loaded.files["model.pt"])  # strict: no _orig_mod. or module. prefixes
     torch.testing.assert_close(fresh.state_dict(), compiled[0]["params"], rtol=0, atol=0)
+
+
+def test_deterministic_sets_up_every_rank_and_leaves_cpu_results_alone(tmp_path: Path) -> None:
+    params = {}
+    for deterministic in (True, False):
+        probe, out = tmp_path / f"probe-{deterministic}", tmp_path / f"o-{deterministic}"
+        probe.mkdir()
+        out.mkdir()
+        cfg = _config(
+            f"{tmp_path}/s-{deterministic}",
+            [
+                f"task={__name__}:ProbeTask",
+                f"task_args.probe_dir={probe}",
+                f"training.deterministic={str(deterministic).lower()}",
+                "training.epochs=1",
+            ],
+        )
+        res = run_workers(2, cfg, f"{tmp_path}/s-{deterministic}/run", [(0, 0)], str(out))
+        params[deterministic] = res[0]["params"]
+        for rank in range(2):
+            seen = json.loads((probe / f"rank{rank}.json").read_text())
+            assert seen["deterministic"] is deterministic
+            if deterministic:
+                assert seen["cublas"] == ":4096:8"
+    # deterministic mode changes no CPU result: both variants train the same bits
+    torch.testing.assert_close(params[True], params[False], rtol=0, atol=0)
 
 
 def _initial() -> dict[str, torch.Tensor]:
