@@ -383,7 +383,7 @@ class Driver:
             try:
                 results = group.poll(self._heartbeat_every(watch) if self._move is None else 0.25)
                 if results is None:
-                    self._watch_preemption(s)
+                    self._watch_preemption(s, running=True)
             except Exception as exc:
                 if self._move is not None:  # a failure during a move: recovered as any failure, and
                     self._drained -= self._move.nodes  # the next group acts on the notice again
@@ -394,6 +394,8 @@ class Driver:
             if results is not None:
                 if self._move is not None and self._move.stopping:
                     return Moving(self._move, results, s.start_step, time.time() - t_epoch)
+                if self._move is None:  # epochs shorter than the heartbeat interval: look at epoch ends too
+                    self._watch_preemption(s, running=False)
                 return self._epoch_done(s, results, time.time() - t_epoch)
             hung = watch.update(self._beats())
             self._announce_spare()
@@ -509,9 +511,10 @@ class Driver:
         return Starting()
 
     # ------------------------------------------------------------------ preemption
-    def _watch_preemption(self, s: Running) -> None:
-        """Between heartbeats: look for drain notices (at most once a second), and push a move in
-        progress on: stop once its replacements are ready, or with a checkpoint when time runs out."""
+    def _watch_preemption(self, s: Running, running: bool) -> None:
+        """Between heartbeats and at epoch ends: look for drain notices (at most once a second). While an
+        epoch runs (``running``), push a move in progress on: stop once its replacements are ready, or with
+        a checkpoint when time runs out (a stop needs a running epoch: it is agreed by the ranks in it)."""
         f = self.cfg.failures
         if not f.preemption or self.group is None:
             return
@@ -531,7 +534,10 @@ class Driver:
             if notices:
                 self._begin_move(notices, now)
             return
-        if m.stopping:
+        if m.stopping or not running:
+            return
+        if not m.prepared:  # the notice was too short to place anything
+            self._stop_for(m)
             return
         status = self.group.move_status()
         late = m.must_stop_by is not None and now >= m.must_stop_by
@@ -583,9 +589,9 @@ class Driver:
                 f"the notice leaves {m.deadline - now:.0f}s, under failures.preemption_margin_s="  # type: ignore[operator]
                 f"{f.preemption_margin_s:g}s: no time to place replacements"
             )
-            self._stop_for(m)
         else:
             self.group.prepare_move(ranks)
+            m.prepared = True
 
     def _stop_for(self, m: Move) -> None:
         """Stop the group at a step boundary; with a checkpoint unless the replacements take the state

@@ -68,6 +68,8 @@ class Move:
     must_stop_by: float | None
     """Time (seconds since the epoch) by which the group must be stopped: the earliest deadline less
     ``failures.preemption_margin_s``; None without a deadline."""
+    prepared: bool = False
+    """Replacements are being placed (not when the notice was too short for it)."""
     replaced: bool = False
     """Replacements are placed and prepared: the stop moves the ranks. False at the stop: no room in time."""
     stop_step: int | None = None
