@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from cluster import load_checkpoint, load_config, train
-from cluster.inspect import read_events
+from cluster.inspect import format_show, read_events, report
 from cluster.storage import Storage
 from tests.audit_task import audit
 from tests.conftest import REPO
@@ -192,6 +192,8 @@ def test_preemption_notice_moves_a_rank_before_the_deadline_with_no_step_lost(
     assert trained == 2 * EPOCHS * STEPS  # every step trained once per rank: nothing lost, nothing redone
     got, want = load_checkpoint(run_url).model, load_checkpoint(ref_box["result"].run_url).model
     assert all(torch.equal(got[k], want[k]) for k in want)
+    shown = format_show(report(Storage(run_url)))  # what `python -m cluster show` prints
+    assert "preemption notices (1)" in shown and " moved " in shown, shown
 
 
 def test_no_spare_node_shrinks_before_the_deadline_with_exact_samples(
