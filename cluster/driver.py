@@ -883,7 +883,8 @@ class Driver:
 
 
 DRAIN_POLL_S = 1.0
-"""Seconds between two reads of Ray's draining nodes while an epoch runs (one GCS query each)."""
+"""At most one read of Ray's draining nodes (one GCS query) per this many seconds; reads happen at
+heartbeats and epoch ends."""
 
 
 def _fmt_bytes(n: int) -> str:
