@@ -145,6 +145,8 @@ class Driver:
         self._drained: set[str] = set()  # nodes whose notice was acted on (never twice)
         self._next_drain_check = 0.0
         self._drain_error_logged = False
+        self._grow_at: int | None = None  # the step a growing group stops at
+        self._next_grow_check = 0.0
 
     # ------------------------------------------------------------------ public
     def run(self) -> Result:
@@ -384,7 +386,9 @@ class Driver:
                 results = group.poll(self._heartbeat_every(watch) if self._move is None else 0.25)
                 if results is None:
                     self._watch_preemption(s, running=True)
+                    self._maybe_grow()
             except Exception as exc:
+                self._grow_at = None
                 if self._move is not None:  # a failure during a move: recovered as any failure, and
                     self._drained -= self._move.nodes  # the next group acts on the notice again
                     self._move = None
@@ -393,7 +397,9 @@ class Driver:
                 return self._on_failure(failure, watch.max_step)
             if results is not None:
                 if self._move is not None and self._move.stopping:
-                    return Moving(self._move, results, s.start_step, time.time() - t_epoch)
+                    return Moving(self._move, results, s.start_step, time.time() - t_epoch, s.recovery)
+                if self._grow_at is not None:
+                    return self._grown(s, results, time.time() - t_epoch)
                 if self._move is None:  # epochs shorter than the heartbeat interval: look at epoch ends too
                     self._watch_preemption(s, running=False)
                 return self._epoch_done(s, results, time.time() - t_epoch)
@@ -609,7 +615,7 @@ class Driver:
         commits = group.finish()  # the checkpoint the stop asked for is committed before anything goes
         if not head.stopped:  # the epoch ended before the stop step: an ordinary epoch end
             next_state = self._after_epoch(head)
-            self._record_epoch(head, s.wall_s, None)
+            self._record_epoch(head, s.wall_s, s.recovery)
             if isinstance(next_state, Finishing | Resizing):
                 for c in commits:
                     self._commit_event(c)
@@ -617,7 +623,7 @@ class Driver:
             epoch, start = head.epoch + 1, 0
         else:
             epoch, start = head.epoch, s.start_step + head.steps
-            self._record_partial(head)
+            self._record_partial(head, s.recovery)
             self.global_step = head.global_step
         for c in commits:
             self._commit_event(c)
@@ -686,8 +692,38 @@ class Driver:
             else f"[{self.cfg.name}] continuing with {len(infos)} workers without the draining node(s)"
         )
 
-    def _record_partial(self, head: EpochResult) -> None:
-        """A stopped epoch's step rows (its end is recorded by the epoch that finishes it)."""
+    def _maybe_grow(self) -> None:
+        """While a smaller group trains: once the cluster has room for the missing workers, stop at the next
+        step boundary with a checkpoint there and start the full group from it (no waiting for the epoch's
+        end; nothing lost). Checked at heartbeats, at most every ``GROW_POLL_S``."""
+        missing = self.cfg.scaling.num_workers - self.world_size
+        if missing <= 0 or self._move is not None or self._grow_at is not None or self.group is None:
+            return
+        now = time.time()
+        if now < self._next_grow_check:
+            return
+        self._next_grow_check = now + GROW_POLL_S
+        if self.group.available_for(missing):
+            self._grow_at = self.group.stop(checkpoint=True)
+
+    def _grown(self, s: Running, results: list[EpochResult], wall_s: float) -> State:
+        """The group stopped to grow: record what it trained, then resize (from the checkpoint at the
+        stop)."""
+        self._grow_at = None
+        head = results[0]
+        if not head.stopped:  # the epoch ended first: an ordinary epoch end
+            next_state = self._after_epoch(head)
+            self._record_epoch(head, wall_s, s.recovery)
+            if isinstance(next_state, Finishing):
+                return next_state
+        else:
+            self._record_partial(head, s.recovery)
+            self.global_step = head.global_step
+        return Resizing(new_size=self.cfg.scaling.num_workers)
+
+    def _record_partial(self, head: EpochResult, recovery: RecoveryTiming | None = None) -> None:
+        """A stopped epoch's step rows (its end is recorded by the epoch that finishes it), and the
+        ``recovered`` event when this was the first stretch of training after a failure."""
         streamed, self._rows = self._rows, []
         rows = [{"kind": "step", **r} for r in streamed] + [{"kind": "step", **r} for r in head.step_rows]
         if rows:
@@ -695,6 +731,8 @@ class Driver:
             self._track(rows[len(streamed) :])
         for c in head.commits:
             self._commit_event(c)
+        if recovery is not None and head.first_step_at is not None:
+            self._recovered(recovery, head.first_step_at)
 
     def _on_failure(self, failure: Failure, seen_step: int | None = None) -> Recovering:
         self.failures.append(failure)
@@ -882,6 +920,8 @@ class Driver:
         )
 
 
+GROW_POLL_S = 2.0
+"""While smaller than ``scaling.num_workers``: at most one check for room to grow per this many seconds."""
 DRAIN_POLL_S = 1.0
 """At most one read of Ray's draining nodes (one GCS query) per this many seconds; reads happen at
 heartbeats and epoch ends."""

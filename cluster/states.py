@@ -157,6 +157,8 @@ class Moving(State):
     results: list[EpochResult]
     start_step: int
     wall_s: float
+    recovery: RecoveryTiming | None = None
+    """Carried from Running: the recovery whose first training this stretch was."""
 
     def describe(self) -> str:
         return f"moving ranks {self.move.ranks} off draining node(s) at step {self.move.stop_step}"

@@ -254,3 +254,33 @@ def test_a_notice_too_short_for_a_move_commits_a_checkpoint_before_the_deadline(
     (failure,) = events(run_url, "failure")
     assert failure["kind"] == "node_lost"
     assert audit(f"{tmp}/audit-short", STEPS, B, EPOCHS) == {2: EPOCHS * STEPS}
+
+
+def test_a_smaller_group_grows_back_in_the_middle_of_an_epoch(ray_cluster: Any, tmp_path: object) -> None:
+    """One node for two ranks: the job starts with one (scaling.min_workers=1). A node joins in the middle
+    of a long epoch: the group stops at the next step boundary with a checkpoint and continues at two ranks
+    from it, without waiting for the epoch's end; every sample is trained exactly once."""
+    add_nodes(ray_cluster, 1)
+    tmp = str(tmp_path)
+    run_url = f"{tmp}/runs/grow"
+    long_epochs = 4 * SAMPLES  # 64 steps an epoch
+    trainer, box = in_background(
+        tmp,
+        "grow",
+        "scaling.min_workers=1",
+        "scaling.resource_wait_s=2",
+        "training.epochs=2",
+        "failures.hang_timeout_floor_s=20",  # heartbeats every second: room is seen within one
+        f"task_args={{audit_dir: {tmp}/audit-grow, samples: {long_epochs}, step_sleep_s: 0.08}}",
+    )
+    wait_for(lambda: os.path.exists(f"{run_url}/checkpoints/step_{8:09d}/manifest.json"))
+    add_nodes(ray_cluster, 1)
+    trainer.join(240)
+    assert "error" not in box, box.get("error")
+    result = box["result"]
+    assert result.status == "finished" and result.world_size == 2
+    grow = [e for e in events(run_url, "resize") if e["new"] == 2]
+    assert len(grow) == 1 and grow[0]["at_step"] % (long_epochs // B) != 0, grow  # mid-epoch
+    assert any(e["step"] == grow[0]["at_step"] for e in events(run_url, "checkpoint"))
+    sizes = audit(f"{tmp}/audit-grow", long_epochs // B, B, 2)
+    assert set(sizes) == {1, 2} and sum(sizes.values()) == 2 * long_epochs // B

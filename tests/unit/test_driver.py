@@ -297,6 +297,35 @@ def test_shrinks_to_min_workers_then_grows_back_at_epoch_boundary() -> None:
     assert all(e["reason"] for e in resizes)
 
 
+def test_a_smaller_group_grows_back_mid_epoch_at_a_step_checkpoint() -> None:
+    """Room returns while the smaller group is in the middle of an epoch: it stops at the next step
+    boundary with a checkpoint there, and the full group starts from it (no waiting for the epoch end)."""
+    driver, cap = make(
+        {0: [Failure("node_lost", 1, "node_lost:gone")], 1: ["busy", "busy"]},
+        ["scaling.min_workers=1"],
+        resume={1: 0, 2: 1},
+    )
+    original_factory = driver.group_factory
+
+    def factory(cfg: JobConfig, url: str, attempt: int) -> Any:
+        cap[0] = 1 if attempt == 1 else 2
+        group = original_factory(cfg, url, attempt)
+        if attempt == 1:
+            group.available_for = lambda n: True  # type: ignore[method-assign]  # the node is back
+        return group
+
+    driver.group_factory = factory
+    result = driver.run()
+    assert result.status == "finished"
+    small = ScriptedGroup.instances[1]
+    assert small.world_size == 1 and "stop(checkpoint=True)" in small.calls
+    assert small.calls.index("stop(checkpoint=True)") < small.calls.index("finish")  # stop, flush, resize
+    assert ScriptedGroup.instances[2].world_size == 2
+    resizes = [e for e in driver.events.records() if e["event"] == "resize"]
+    assert [(e["old"], e["new"]) for e in resizes] == [(2, 1), (1, 2)]
+    assert resizes[1]["at_step"] == 1  # one step into the epoch, not at its end
+
+
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True
