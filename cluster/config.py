@@ -26,9 +26,8 @@ _TASK_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 @dataclass
 class StorageConfig:
     url: str = "./runs"
-    """Where runs live: a local folder or a writable fsspec URL (``s3://bucket/prefix`` with the ``s3``
-    extra, ``gs://...`` with ``gcs``, ``abfs://...`` with ``azure``). A run writes under ``<url>/<name>/``.
-    Multi-node jobs need storage every node sees. A local folder with a colon in its name: ``./a:b``."""
+    """A local folder or a writable fsspec URL (``s3://``, ``gs://``, ``abfs://`` with the extra of that
+    name); runs go under ``<url>/<name>/``. Multi-node jobs need storage every node sees."""
     options: dict[str, Any] = field(default_factory=dict)
     """fsspec ``storage_options`` (credentials, ``endpoint_url``...). Never written to logs or run.json."""
 
@@ -54,12 +53,10 @@ class ScalingConfig:
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for every worker process."""
     worker_niceness: int | None = 0
-    """Niceness of the training processes (-20..19). Ray starts workers at 15, where any daemon's wakeup
-    stalls the gang; 0 is normal priority. Lowering needs CAP_SYS_NICE, or Ray started with
-    ``RAY_worker_niceness=0`` (docs/tuning.md). null keeps Ray's."""
+    """Niceness of the training processes (-20..19; Ray's workers run at 15, which lets any daemon stall
+    the gang). Lowering needs CAP_SYS_NICE (docs/tuning.md). null keeps Ray's."""
     tune_allocator: bool = True
-    """Keep glibc from returning freed memory to the kernel after every step (``mallopt``), so the next
-    step does not fault it back in; a worker keeps its peak heap (docs/tuning.md)."""
+    """Keep glibc from returning freed memory to the kernel after each step (``mallopt``; docs/tuning.md)."""
 
 
 @dataclass
@@ -81,9 +78,8 @@ class TrainingConfig:
     log_every_steps: int = 10
     """Record per-step metrics (loss, lr, step time) every this many steps."""
     fixed_buckets: bool = True
-    """Keep DDP's first gradient-bucket layout all run (``find_unused_parameters=True``: no bucket rebuild),
-    so a resumed run is bitwise equal to an uninterrupted one beyond 2 ranks (docs/performance.md).
-    ``false``: DDP's default."""
+    """Keep DDP's first gradient-bucket layout all run, so a resume is bitwise exact beyond 2 ranks
+    (docs/performance.md). ``false``: DDP's default."""
     sync_batchnorm: bool = False
     """BatchNorm layers become ``SyncBatchNorm`` (global-batch statistics). GPU jobs only (torch's needs
     CUDA)."""
@@ -141,18 +137,21 @@ class FailureConfig:
     backoff_max_s: float = 30.0
     """Upper bound on the restart wait."""
     warm_restart: bool = True
-    """After a worker dies or raises, keep the healthy workers' processes (task and dataset loaded) and
-    replace only the lost ones. Lost nodes and hangs always get fresh workers."""
+    """After a failure, keep the healthy workers' processes and replace only the lost ones."""
     hot_spare: bool | Literal["auto"] = "auto"
-    """CPU jobs: keep one idle, prepared worker process to replace a dead one at once (one worker's
-    memory). ``auto``: only where a node has a worker's CPU share spare; ``true``: always; ``false``:
-    never. Not for GPU jobs (docs/failures.md)."""
+    """CPU jobs: one idle, prepared process that replaces a dead worker at once. ``auto``: only where a
+    node has a free CPU share (docs/failures.md)."""
     recover_from_peers: bool = True
-    """After a worker dies or raises, a survivor sends its in-memory state to the replacement (at most one
-    step lost); the latest checkpoint when that cannot be trusted (docs/failures.md). Needs
-    ``warm_restart``."""
+    """A survivor sends its in-memory state to a replacement: at most one step lost, no storage read; else
+    the latest checkpoint (docs/failures.md)."""
     process_group_timeout_s: float = 300.0
     """Timeout of collectives in the process group (init_process_group ``timeout``)."""
+    preemption: bool = True
+    """Act on Ray's drain notices (spot preemption): move ranks off a draining node before its deadline,
+    losing no step (docs/failures.md)."""
+    preemption_margin_s: float = 10.0
+    """Ranks must be off a draining node this long before its deadline; else checkpoint, then shrink or
+    wait."""
     inject: list[FaultSpec] = field(default_factory=list)
     """Faults to inject (see FaultSpec). The env var CLUSTER_INJECT_FAULT=``rank:step:kind`` adds one."""
 
@@ -448,6 +447,11 @@ def validate(cfg: JobConfig) -> None:
         )
     if f.process_group_timeout_s <= 0:
         raise ConfigError(f"failures.process_group_timeout_s={f.process_group_timeout_s} must be positive")
+    if f.preemption_margin_s < 0:
+        raise ConfigError(
+            f"failures.preemption_margin_s={f.preemption_margin_s} must be >= 0 (seconds before a drain's "
+            "deadline by which the ranks must be off the node)"
+        )
     _validate_tracking(cfg.tracking)
     for i, spec in enumerate(f.inject):
         if not 0 <= spec.rank < s.num_workers:

@@ -46,10 +46,12 @@ from cluster.group import GroupFactory, Salvage, WorkerGroup
 from cluster.metrics import EventLog, ProgressDisplay, write_metrics
 from cluster.peer import PeerPlan, plan_recovery
 from cluster.policy import Decision, FailurePolicy, HangWatch
+from cluster.preemption import DrainNotice, Move
 from cluster.states import (
     Failed,
     Finished,
     Finishing,
+    Moving,
     Recovering,
     RecoveryTiming,
     Resizing,
@@ -139,6 +141,12 @@ class Driver:
         self._spare_announced = False  # the current group's hot spare was reported ready
         self._rows: list[dict[str, Any]] = []  # rank 0's step rows streamed by heartbeats, not yet written
         self.tracker: Tracker | None = None
+        self._move: Move | None = None  # a drain notice being acted on
+        self._drained: set[str] = set()  # nodes whose notice was acted on (never twice)
+        self._next_drain_check = 0.0
+        self._drain_error_logged = False
+        self._grow_at: int | None = None  # the step a growing group stops at
+        self._next_grow_check = 0.0
 
     # ------------------------------------------------------------------ public
     def run(self) -> Result:
@@ -172,6 +180,8 @@ class Driver:
             return self._recover(state)
         if isinstance(state, Resizing):
             return self._resize(state)
+        if isinstance(state, Moving):
+            return self._moved(state)
         if isinstance(state, Finishing):
             return self._finish(state)
         raise AssertionError(f"no step for state {state!r}")
@@ -290,7 +300,7 @@ class Driver:
             self.events.append("failed", reason=str(exc))
             return self._fail(exc)
         t_reserved = time.time()
-        if n < target:
+        if n < target and s.move is None:  # a shrink for a drain is recorded with its own reason
             self.events.append(
                 "resize",
                 old=self.world_size or target,
@@ -349,6 +359,8 @@ class Driver:
         self._spare_announced = False
         if s.recovery is not None:
             s.recovery.group_started(t_reserved, t_ready, infos, r.global_step)
+        if s.move is not None:
+            self._record_move(s.move, infos, t_ready)
         where = (
             f"from step {r.global_step} (epoch {r.epoch + 1}, step {r.step_in_epoch})"
             if r.global_step
@@ -371,17 +383,31 @@ class Driver:
         watch = HangWatch(self.cfg.failures, self.global_step)
         while True:
             try:
-                results = group.poll(self._heartbeat_every(watch))
+                results = group.poll(self._heartbeat_every(watch) if self._move is None else 0.25)
+                if results is None:
+                    self._watch_preemption(s, running=True)
+                    self._maybe_grow()
             except Exception as exc:
+                self._grow_at = None
+                if self._move is not None:  # a failure during a move: recovered as any failure, and
+                    self._drained -= self._move.nodes  # the next group acts on the notice again
+                    self._move = None
                 failure = group.classify(exc)
                 watch.update(self._beats(timeout=0.5))  # survivors know how far training got
                 return self._on_failure(failure, watch.max_step)
             if results is not None:
+                if self._move is not None and self._move.stopping:
+                    return Moving(self._move, results, s.start_step, time.time() - t_epoch, s.recovery)
+                if self._grow_at is not None:
+                    return self._grown(s, results, time.time() - t_epoch)
+                if self._move is None:  # epochs shorter than the heartbeat interval: look at epoch ends too
+                    self._watch_preemption(s, running=False)
                 return self._epoch_done(s, results, time.time() - t_epoch)
             hung = watch.update(self._beats())
             self._announce_spare()
             self._display.live(watch.max_step, self.cfg.training.global_batch_size)
             if hung is not None:
+                self._move = None
                 return self._on_failure(Failure("hang", hung[0], hung[1]), watch.max_step)
 
     def _epoch_done(self, s: Running, results: list[EpochResult], wall_s: float) -> State:
@@ -489,6 +515,224 @@ class Driver:
         self.group = None
         self.attempt += 1
         return Starting()
+
+    # ------------------------------------------------------------------ preemption
+    def _watch_preemption(self, s: Running, running: bool) -> None:
+        """Between heartbeats and at epoch ends: look for drain notices (at most once a second). While an
+        epoch runs (``running``), push a move in progress on: stop once its replacements are ready, or with
+        a checkpoint when time runs out (a stop needs a running epoch: it is agreed by the ranks in it)."""
+        f = self.cfg.failures
+        if not f.preemption or self.group is None:
+            return
+        now = time.time()
+        m = self._move
+        if m is None:
+            if now < self._next_drain_check:
+                return
+            self._next_drain_check = now + DRAIN_POLL_S
+            try:
+                notices = [n for n in self.group.draining() if n.node_id not in self._drained]
+            except Exception as exc:  # reading Ray's drains must never stop training
+                if not self._drain_error_logged:
+                    logger.warning("could not read Ray's draining nodes: %s: %s", type(exc).__name__, exc)
+                    self._drain_error_logged = True
+                return
+            if notices:
+                self._begin_move(notices, now)
+            return
+        if m.stopping or not running:
+            return
+        if not m.prepared:  # the notice was too short to place anything
+            self._stop_for(m)
+            return
+        status = self.group.move_status()
+        late = m.must_stop_by is not None and now >= m.must_stop_by
+        waited_out = m.must_stop_by is None and now - m.noticed_at > self.cfg.scaling.resource_wait_s
+        if status == "ready":
+            m.replaced = True
+            self._stop_for(m)
+        elif status.startswith("failed") or late or waited_out:
+            m.reason = (
+                status.removeprefix("failed: ")
+                if status.startswith("failed")
+                else f"no room for {len(m.ranks)} replacement(s) on a node that is not draining "
+                + (
+                    f"by {f.preemption_margin_s:g}s before the deadline (failures.preemption_margin_s)"
+                    if late
+                    else f"within scaling.resource_wait_s={self.cfg.scaling.resource_wait_s:g}s"
+                )
+            )
+            self.group.cancel_move()
+            self._stop_for(m)
+
+    def _begin_move(self, notices: list[DrainNotice], now: float) -> None:
+        assert self.group is not None
+        f = self.cfg.failures
+        ranks = sorted({r for n in notices for r in n.ranks})
+        for n in notices:
+            left = n.seconds_left(now)
+            self.events.append(
+                "preemption_notice",
+                node=n.node_id,
+                ranks=list(n.ranks),
+                deadline=n.deadline,
+                seconds_left=None if left is None else round(left, 1),
+                step=self.global_step,
+            )
+            self._print(
+                f"[{self.cfg.name}] node {n.node_id[:12]} (ranks {list(n.ranks)}) is draining"
+                + (f": it goes in {left:.0f}s" if left is not None else " (no deadline)")
+            )
+        stays = len(ranks) < self.world_size
+        via = "peers" if f.recover_from_peers and f.warm_restart and stays else "checkpoint"
+        m = Move(notices, ranks, via, now, None, nodes={n.node_id for n in notices})
+        if m.deadline is not None:
+            m.must_stop_by = m.deadline - f.preemption_margin_s
+        self._drained |= m.nodes
+        self._move = m
+        if m.must_stop_by is not None and now >= m.must_stop_by:
+            m.reason = (
+                f"the notice leaves {m.deadline - now:.0f}s, under failures.preemption_margin_s="  # type: ignore[operator]
+                f"{f.preemption_margin_s:g}s: no time to place replacements"
+            )
+        else:
+            self.group.prepare_move(ranks)
+            m.prepared = True
+
+    def _stop_for(self, m: Move) -> None:
+        """Stop the group at a step boundary; with a checkpoint unless the replacements take the state
+        from a healthy rank."""
+        assert self.group is not None
+        m.stop_requested_at = time.time()
+        m.stop_step = self.group.stop(checkpoint=not m.replaced or m.via == "checkpoint")
+
+    def _moved(self, s: Moving) -> State:
+        """The group stopped for a move: record the steps trained, then start again without the draining
+        ranks (replacements, or fewer ranks), or go on with the same ranks when neither is possible."""
+        assert self.group is not None and self._display is not None
+        m, group, head = s.move, self.group, s.results[0]
+        self._move = None
+        commits = group.finish()  # the checkpoint the stop asked for is committed before anything goes
+        if not head.stopped:  # the epoch ended before the stop step: an ordinary epoch end
+            next_state = self._after_epoch(head)
+            self._record_epoch(head, s.wall_s, s.recovery)
+            if isinstance(next_state, Finishing | Resizing):
+                for c in commits:
+                    self._commit_event(c)
+                return next_state
+            epoch, start = head.epoch + 1, 0
+        else:
+            epoch, start = head.epoch, s.start_step + head.steps
+            self._record_partial(head, s.recovery)
+            self.global_step = head.global_step
+        for c in commits:
+            self._commit_event(c)
+        committed = any(c.step == head.global_step and not c.error for c in [*head.commits, *commits])
+        if not m.replaced:
+            self.events.append(
+                "preemption_checkpoint",
+                step=head.global_step,
+                committed=committed,
+                ranks=m.ranks,
+                reason=m.reason,
+                seconds_before_deadline=(
+                    round(m.deadline - time.time(), 1) if m.deadline is not None else None
+                ),
+            )
+            self._print(
+                f"[{self.cfg.name}] checkpoint at step {head.global_step} before the node goes: {m.reason}"
+            )
+            survivors = self.world_size - len(m.ranks)
+            if survivors < max(1, self.cfg.effective_min_workers):
+                self._print(
+                    f"[{self.cfg.name}] continuing on all {self.world_size} ranks until the node goes "
+                    f"(scaling.min_workers={self.cfg.effective_min_workers} rules out {survivors})"
+                )
+                return Running(epoch, start)
+        salvage = group.salvage_stopped(self.attempt + 1, m.ranks, keep_state=m.replaced and m.via == "peers")
+        self.group = None
+        plan = None
+        if salvage is not None and salvage.peers is not None:
+            chosen = plan_recovery(salvage.peers)
+            plan = chosen if isinstance(chosen, PeerPlan) else None
+            if plan is None:
+                m.reason = f"the ranks' states disagree ({chosen}): from the checkpoint instead"
+        if salvage is None:
+            group.shutdown(graceful=False)
+        self.attempt += 1
+        return Starting(salvage=salvage, peers=plan, move=m)
+
+    def _record_move(self, m: Move, infos: list[SetupInfo], t_ready: float) -> None:
+        r = infos[0].resume
+        event = "preemption_move" if m.replaced else "resize"
+        fields: dict[str, Any] = {
+            "ranks": m.ranks,
+            "from_nodes": sorted(m.nodes),
+            "stop_step": m.stop_step,
+            "resume_step": r.global_step,
+            "lost_steps": max(0, (m.stop_step or 0) - r.global_step),
+            "source": r.source,
+            "stall_s": round(t_ready - (m.stop_requested_at or t_ready), 3),
+            "seconds_before_deadline": round(m.deadline - t_ready, 1) if m.deadline is not None else None,
+            "notice_to_moved_s": round(t_ready - m.noticed_at, 3),
+        }
+        if m.replaced:
+            fields["to_nodes"] = [infos[rank].node_id for rank in m.ranks]
+            fields["bytes"] = max(i.resume.nbytes for i in infos)
+            if m.reason:
+                fields["note"] = m.reason
+        else:
+            fields = {"old": len(infos) + len(m.ranks), "new": len(infos), "at_step": m.stop_step, **fields}
+            fields["reason"] = f"preemption: {m.reason}"
+        self.events.append(event, **fields)
+        self._print(
+            f"[{self.cfg.name}] moved ranks {m.ranks} off the draining node(s) "
+            f"({r.source}), {fields['lost_steps']} steps lost, training stalled {fields['stall_s']:.1f}s"
+            if m.replaced
+            else f"[{self.cfg.name}] continuing with {len(infos)} workers without the draining node(s)"
+        )
+
+    def _maybe_grow(self) -> None:
+        """While a smaller group trains: once the cluster has room for the missing workers, stop at the next
+        step boundary with a checkpoint there and start the full group from it (no waiting for the epoch's
+        end; nothing lost). Checked at heartbeats, at most every ``GROW_POLL_S``."""
+        missing = self.cfg.scaling.num_workers - self.world_size
+        if missing <= 0 or self._move is not None or self._grow_at is not None or self.group is None:
+            return
+        now = time.time()
+        if now < self._next_grow_check:
+            return
+        self._next_grow_check = now + GROW_POLL_S
+        if self.group.available_for(missing):
+            self._grow_at = self.group.stop(checkpoint=True)
+
+    def _grown(self, s: Running, results: list[EpochResult], wall_s: float) -> State:
+        """The group stopped to grow: record what it trained, then resize (from the checkpoint at the
+        stop)."""
+        self._grow_at = None
+        head = results[0]
+        if not head.stopped:  # the epoch ended first: an ordinary epoch end
+            next_state = self._after_epoch(head)
+            self._record_epoch(head, wall_s, s.recovery)
+            if isinstance(next_state, Finishing):
+                return next_state
+        else:
+            self._record_partial(head, s.recovery)
+            self.global_step = head.global_step
+        return Resizing(new_size=self.cfg.scaling.num_workers)
+
+    def _record_partial(self, head: EpochResult, recovery: RecoveryTiming | None = None) -> None:
+        """A stopped epoch's step rows (its end is recorded by the epoch that finishes it), and the
+        ``recovered`` event when this was the first stretch of training after a failure."""
+        streamed, self._rows = self._rows, []
+        rows = [{"kind": "step", **r} for r in streamed] + [{"kind": "step", **r} for r in head.step_rows]
+        if rows:
+            write_metrics(self.storage, rows, head.epoch, self.attempt)
+            self._track(rows[len(streamed) :])
+        for c in head.commits:
+            self._commit_event(c)
+        if recovery is not None and head.first_step_at is not None:
+            self._recovered(recovery, head.first_step_at)
 
     def _on_failure(self, failure: Failure, seen_step: int | None = None) -> Recovering:
         self.failures.append(failure)
@@ -674,6 +918,13 @@ class Driver:
             world_size=self.world_size,
             error=str(error) if error is not None else None,
         )
+
+
+GROW_POLL_S = 2.0
+"""While smaller than ``scaling.num_workers``: at most one check for room to grow per this many seconds."""
+DRAIN_POLL_S = 1.0
+"""At most one read of Ray's draining nodes (one GCS query) per this many seconds; reads happen at
+heartbeats and epoch ends."""
 
 
 def _fmt_bytes(n: int) -> str:

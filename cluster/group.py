@@ -12,6 +12,7 @@ from cluster.checkpoint import CommitRecord
 from cluster.config import JobConfig
 from cluster.errors import Failure
 from cluster.peer import PeerPlan, PeerState
+from cluster.preemption import DrainNotice
 from cluster.worker import EpochResult, Heartbeat, SetupInfo
 
 
@@ -86,6 +87,37 @@ class WorkerGroup(Protocol):
 
     def adopt(self, salvage: Salvage) -> None:
         """Take over a previous group's salvaged workers and resources (before ``reserve``)."""
+        ...
+
+    def stop(self, checkpoint: bool) -> int:
+        """Stop every rank at the same step boundary of the running epoch (rank 0 checkpoints there when
+        ``checkpoint``); return the step. ``poll`` then returns results with ``stopped`` set (or the whole
+        epoch, had it ended first)."""
+        ...
+
+    def draining(self) -> list[DrainNotice]:
+        """The drain notices (spot preemption) for nodes that hold ranks of this group."""
+        ...
+
+    def prepare_move(self, ranks: list[int]) -> None:
+        """Start placing and preparing replacements for ``ranks`` on nodes that are not draining."""
+        ...
+
+    def move_status(self) -> str:
+        """``placing``, ``preparing``, ``ready`` or ``failed: <why>`` for the move in progress."""
+        ...
+
+    def move_nodes(self) -> list[str]:
+        """The nodes the replacements of the move in progress run on, in the order of its ranks."""
+        ...
+
+    def cancel_move(self) -> None:
+        """Give up the move in progress: stop its replacements, release their resources."""
+        ...
+
+    def salvage_stopped(self, attempt: int, retire: list[int], keep_state: bool) -> Salvage | None:
+        """After ``stop``: keep every rank but ``retire`` (with its state when ``keep_state``), the move's
+        replacements taking the retired ranks; without a ready move the others are renumbered 0..K-1."""
         ...
 
     def shutdown(self, graceful: bool) -> None:

@@ -92,6 +92,27 @@ class RunReport:
     checkpoints: list[CheckpointRow]
     epochs: list[dict[str, Any]] = field(default_factory=list)
     latest_step: dict[str, Any] | None = None
+    preemptions: list[PreemptionRecord] = field(default_factory=list)
+
+
+@dataclass
+class PreemptionRecord:
+    """A drain notice (``preemption_notice``) and what the driver did about it."""
+
+    time: float | None
+    node: str
+    ranks: list[int]
+    notice_s: float | None
+    """Seconds from the notice to the node's deadline; None without a deadline."""
+    action: str
+    """``moved`` (replacements took the ranks), ``shrunk``, ``checkpointed`` (then the same ranks went on),
+    or ``pending`` (nothing recorded yet)."""
+    source: str | None = None
+    stop_step: int | None = None
+    lost_steps: int | None = None
+    stall_s: float | None = None
+    before_deadline_s: float | None = None
+    reason: str = ""
 
 
 # ---------------------------------------------------------------------- finding runs
@@ -310,6 +331,44 @@ def failure_records(events: list[dict[str, Any]]) -> list[FailureRecord]:
     return out
 
 
+def preemption_records(events: list[dict[str, Any]]) -> list[PreemptionRecord]:
+    """Each drain notice with the move, shrink or checkpoint that followed it (before the next notice)."""
+    out = []
+    notices = [i for i, e in enumerate(events) if e.get("event") == "preemption_notice"]
+    for n, i in enumerate(notices):
+        e = events[i]
+        after = events[i + 1 : notices[n + 1] if n + 1 < len(notices) else len(events)]
+        rec = PreemptionRecord(
+            e.get("time"),
+            str(e.get("node", "")),
+            list(e.get("ranks") or []),
+            e.get("seconds_left"),
+            "pending",
+        )
+        move = next((a for a in after if a.get("event") == "preemption_move"), None)
+        ckpt = next((a for a in after if a.get("event") == "preemption_checkpoint"), None)
+        shrink = next(
+            (a for a in after if a.get("event") == "resize" and "preemption" in str(a.get("reason"))), None
+        )
+        done = move or shrink
+        if move is not None:
+            rec.action = "moved"
+        elif shrink is not None:
+            rec.action = "shrunk"
+        elif ckpt is not None:
+            rec.action = "checkpointed"
+        if done is not None:
+            rec.source, rec.stop_step = done.get("source"), done.get("stop_step")
+            rec.lost_steps, rec.stall_s = done.get("lost_steps"), done.get("stall_s")
+            rec.before_deadline_s = done.get("seconds_before_deadline")
+        elif ckpt is not None:
+            rec.stop_step, rec.lost_steps = ckpt.get("step"), 0
+            rec.before_deadline_s = ckpt.get("seconds_before_deadline")
+        rec.reason = str((ckpt or {}).get("reason") or (move or {}).get("note") or "")
+        out.append(rec)
+    return out
+
+
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """``{"training": {"epochs": 3}}`` -> ``{"training.epochs": 3}`` (the keys ``--set`` takes)."""
     out: dict[str, Any] = {}
@@ -360,6 +419,7 @@ def report(storage: Storage, verify_all: bool = False) -> RunReport:
         checkpoints=rows,
         epochs=epochs,
         latest_step=steps[-1] if steps else None,
+        preemptions=preemption_records(events),
     )
 
 
@@ -479,6 +539,42 @@ def format_show(r: RunReport) -> str:
             )
         )
         out += [f"  attempt {f.attempt}: not from peers: {f.fallback}" for f in r.failures if f.fallback]
+    if r.preemptions:
+        out += ["", f"preemption notices ({len(r.preemptions)})"]
+        out.append(
+            table(
+                [
+                    "TIME",
+                    "NODE",
+                    "RANKS",
+                    "NOTICE_S",
+                    "ACTION",
+                    "SOURCE",
+                    "AT_STEP",
+                    "LOST",
+                    "STALL_S",
+                    "SPARE_S",
+                ],
+                [
+                    [
+                        _when(p.time),
+                        p.node[:12],
+                        ",".join(map(str, p.ranks)),
+                        _fmt(p.notice_s, 1),
+                        p.action,
+                        _fmt(p.source),
+                        _fmt(p.stop_step),
+                        _fmt(p.lost_steps),
+                        _fmt(p.stall_s, 2),
+                        _fmt(p.before_deadline_s, 1),
+                    ]
+                    for p in r.preemptions
+                ],
+                indent="  ",
+            )
+        )
+        out += [f"  {_when(p.time)}: {p.reason}" for p in r.preemptions if p.reason]
+        out.append("  (SPARE_S: seconds left before the node's deadline when the ranks were off it)")
     for e in r.other_events:
         detail = {k: v for k, v in e.items() if k not in ("time", "event")}
         out.append(f"  {_when(e.get('time'))} {e.get('event')}: {json.dumps(detail, default=str)[:200]}")

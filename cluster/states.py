@@ -2,7 +2,8 @@
 caused it); :meth:`cluster.driver.Driver._step` takes one and returns the next::
 
     Starting --> Running --(epoch done)--> Running | Resizing --> Starting | Finishing --> Finished
-        |           |
+        |           |  |
+        |           |  +--(drain notice, stopped at a step)--> Moving --> Starting | Running
         +-----------+--(failure)--> Recovering --> Starting | Failed
 """
 
@@ -14,7 +15,8 @@ from typing import ClassVar
 from cluster.errors import Failure
 from cluster.group import Salvage
 from cluster.peer import PeerPlan
-from cluster.worker import SetupInfo
+from cluster.preemption import Move
+from cluster.worker import EpochResult, SetupInfo
 
 
 class State:
@@ -107,6 +109,8 @@ class Starting(State):
     """Workers kept from the failed group, for a warm restart."""
     peers: PeerPlan | None = None
     """Take the state from this survivor over the new process group instead of from a checkpoint."""
+    move: Move | None = None
+    """Set when this start retires the ranks of a draining node (recorded as ``preemption_move``)."""
 
     def describe(self) -> str:
         if self.peers is not None:
@@ -141,6 +145,23 @@ class Recovering(State):
 
     def describe(self) -> str:
         return f"recovering from {self.failure.kind} (rank {self.failure.rank})"
+
+
+@dataclass(frozen=True)
+class Moving(State):
+    """Every rank stopped at one step boundary because of a drain notice: retire the draining ranks (their
+    replacements take over, or the group shrinks), or go on with the same ranks when neither is possible."""
+
+    name: ClassVar[str] = "moving"
+    move: Move
+    results: list[EpochResult]
+    start_step: int
+    wall_s: float
+    recovery: RecoveryTiming | None = None
+    """Carried from Running: the recovery whose first training this stretch was."""
+
+    def describe(self) -> str:
+        return f"moving ranks {self.move.ranks} off draining node(s) at step {self.move.stop_step}"
 
 
 @dataclass(frozen=True)

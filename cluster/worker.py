@@ -20,6 +20,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -191,6 +192,8 @@ class EpochResult:
     commits: list[CommitRecord] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     """This rank's mean over the epoch's steps of each extra metric ``Task.compute_loss`` returned."""
+    stopped: bool = False
+    """The driver stopped the epoch before its end (``Worker.stop_at``); ``global_step`` is where."""
 
 
 @dataclass(frozen=True)
@@ -205,6 +208,30 @@ class Heartbeat:
     rows: list[dict[str, Any]] = field(default_factory=list)
     """Rank 0's per-step metric rows logged since its previous heartbeat (streamed, so that a failure loses
     none of them); empty on other ranks."""
+
+
+HOLD_STEPS = 2
+"""A rank asked to stop (``Worker.hold_stop``) trains at most this many more steps before it learns where."""
+
+
+class _StopRequest:
+    """A planned stop of every rank at the same step boundary, agreed while the epoch runs, in two calls
+    from the driver (served by another thread of the process):
+
+    1. ``Worker.hold_stop``: the rank reports its step ``g`` and will not start a step past
+       ``g + HOLD_STEPS`` before it knows the stop step (it waits there if it gets that far first).
+    2. ``Worker.stop_at``: the stop step ``S``, the same for every rank; the driver takes the largest
+       ``g + HOLD_STEPS``, so no rank is past it (ranks of one DDP group are at most a step apart).
+
+    ``dispatch`` names the ``run_epoch`` call it is for: a request for another call is ignored, one that
+    arrives before its call started waits for it. Nothing is read per step but two attributes."""
+
+    def __init__(self, dispatch: int | None = None, limit: int = 0) -> None:
+        self.dispatch = dispatch
+        self.limit = limit
+        self.at: int | None = None
+        self.checkpoint = False
+        self.known = threading.Event()
 
 
 def _step_seed(seed: int, step: int, rank: int) -> int:
@@ -231,6 +258,8 @@ class Worker:
         self._kept: TrainSession | None = None  # a survivor's session after its group failed (peer recovery)
         self._task: Task | None = None
         self._dataset: Any = None
+        self._stop = _StopRequest()
+        self._last_checkpoint = -1  # the step of rank 0's newest checkpoint in this process
         self.faults = self._faults()
         self.allocator = tune_process(cfg)  # before the process group and task make their threads
 
@@ -468,6 +497,7 @@ class Worker:
         self.session = None
         s.model = None  # type: ignore[assignment]  # the failed group's DDP reducer; a new one wraps next
         self._kept = s
+        self._stop = _StopRequest()
         self.rank, self.world_size, self.attempt = rank, world_size, attempt
         self._store = None
         self._max_step_time = 0.0
@@ -577,10 +607,13 @@ class Worker:
         return self.session
 
     # ----------------------------------------------------------------- training
-    def run_epoch(self, epoch: int, start_step: int) -> EpochResult:
-        """Train epoch ``epoch`` from step ``start_step`` to its end; checkpoint as configured."""
+    def run_epoch(self, epoch: int, start_step: int, dispatch: int = 0) -> EpochResult:
+        """Train epoch ``epoch`` from step ``start_step`` to its end (or to the step a stop request names);
+        checkpoint as configured. ``dispatch`` numbers the driver's calls (see :class:`_StopRequest`)."""
+        if self._stop.dispatch != dispatch:
+            self._stop = _StopRequest()  # a request for an earlier call
         try:
-            return self._run_epoch(self._session(), epoch, start_step)
+            return self._run_epoch(self._session(), epoch, start_step, dispatch)
         except WorkerError as exc:
             err = exc.with_traceback(None)
         except Exception as exc:
@@ -592,7 +625,35 @@ class Worker:
         self._leave_group()  # peers blocked on this rank fail now, not at the process-group timeout
         raise err
 
-    def _run_epoch(self, s: TrainSession, epoch: int, start_step: int) -> EpochResult:
+    def hold_stop(self, dispatch: int) -> int:
+        """Phase 1 of a planned stop (:class:`_StopRequest`): this rank's step; it trains at most
+        ``HOLD_STEPS`` more before it needs :meth:`stop_at`."""
+        step = self.global_step
+        self._stop = _StopRequest(dispatch, step + HOLD_STEPS)
+        return step
+
+    def stop_at(self, dispatch: int, step: int, checkpoint: bool) -> None:
+        """Phase 2: stop before step ``step + 1`` (or at the epoch's end if that comes first); rank 0
+        commits a checkpoint there when ``checkpoint``."""
+        st = self._stop
+        if st.dispatch != dispatch:
+            return
+        st.at, st.checkpoint = step, checkpoint
+        st.known.set()
+
+    def _stopping(self, dispatch: int) -> bool:
+        """At a step boundary: whether a planned stop ends the epoch here (waits for the stop step when
+        this rank reached its hold limit first)."""
+        st = self._stop
+        if st.dispatch != dispatch:
+            return False
+        if st.at is None and self.global_step >= st.limit:
+            timeout = self.cfg.failures.process_group_timeout_s
+            if not st.known.wait(timeout):
+                raise RuntimeError(f"asked to stop, but not told at which step within {timeout:g}s")
+        return st.at is not None and self.global_step >= st.at
+
+    def _run_epoch(self, s: TrainSession, epoch: int, start_step: int, dispatch: int = 0) -> EpochResult:
         tcfg = self.cfg.training
         set_niceness(self.cfg.scaling.worker_niceness)  # threads Ray started since (a few syscalls)
         s.sampler.set_epoch(epoch, start_step)
@@ -606,7 +667,11 @@ class Worker:
         t_epoch = time.perf_counter()
         first_step_at = None
         steps = samples = 0
+        stopped = False
         for local_idx in s.sampler:
+            if self._stop.dispatch == dispatch and self._stopping(dispatch):
+                stopped = True
+                break
             self._maybe_inject_fault()
             t0 = time.perf_counter()
             self._seed_step(s, _step_seed(tcfg.seed, self.global_step, self.rank))
@@ -632,7 +697,12 @@ class Worker:
                 stall = self._checkpoint(s)
             if self.rank == 0 and (self.global_step % tcfg.log_every_steps == 0 or stall):
                 self._rows.append(self._step_row(s, loss, metrics, dt, stall, now))
-        if self._checkpoint_due_at_epoch_end(epoch):
+        st = self._stop
+        if st.dispatch == dispatch and not st.known.wait(self.cfg.failures.process_group_timeout_s):
+            raise RuntimeError("asked to stop, but not told at which step")  # the epoch ended first
+        if st.dispatch == dispatch and st.checkpoint and self._last_checkpoint != self.global_step:
+            self._checkpoint(s)  # the stop asked for one (a move without peers, a notice too short)
+        elif not stopped and self._checkpoint_due_at_epoch_end(epoch):
             self._checkpoint(s)
         # One collective per epoch for the reported loss; nothing per step.
         totals = torch.tensor([float(loss_sum), float(steps)], dtype=torch.float64)
@@ -652,6 +722,7 @@ class Worker:
             step_rows=self._drain_rows(),
             commits=s.writer.drain() if s.writer else [],
             metrics={k: float(v) / max(steps, 1) for k, v in metric_sums.items()},
+            stopped=stopped,
         )
 
     def _seed_step(self, s: TrainSession, seed: int) -> None:
@@ -757,6 +828,7 @@ class Worker:
             return 0.0
         state = self.train_state(s)
         meta = {"world_size": self.world_size, "step_in_epoch": state.step_in_epoch, "attempt": self.attempt}
+        self._last_checkpoint = self.global_step
         stall = s.writer.save(
             self.global_step,
             state.epoch,
@@ -838,6 +910,7 @@ class Worker:
         self.rank, self.world_size, self.attempt = rank, world_size, attempt
         self.global_step = self.epoch = self.step_in_epoch = 0
         self.sampler_order = TORCH_ORDER
+        self._stop = _StopRequest()
         self._max_step_time = 0.0
         self._last_step_at = time.time()
         self.faults = self._faults()

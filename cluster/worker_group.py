@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import time
+from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
@@ -30,8 +31,9 @@ from cluster.config import JobConfig
 from cluster.errors import ConfigError, Failure, ResourcesUnavailableError, WorkerError
 from cluster.group import Salvage
 from cluster.peer import PeerPlan, PeerState
+from cluster.preemption import DrainNotice, draining_nodes
 from cluster.process import worker_env
-from cluster.worker import EpochResult, Heartbeat, SetupInfo, Worker
+from cluster.worker import HOLD_STEPS, EpochResult, Heartbeat, SetupInfo, Worker
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +59,14 @@ class _WorkerActor:
     def setup(self, host: str, port: int, peers: PeerPlan | None = None) -> SetupInfo:
         return self.worker.setup(host, port, peers).info
 
-    def run_epoch(self, epoch: int, start_step: int) -> EpochResult:
-        return self.worker.run_epoch(epoch, start_step)
+    def run_epoch(self, epoch: int, start_step: int, dispatch: int = 0) -> EpochResult:
+        return self.worker.run_epoch(epoch, start_step, dispatch)
+
+    def hold_stop(self, dispatch: int) -> int:
+        return self.worker.hold_stop(dispatch)
+
+    def stop_at(self, dispatch: int, step: int, checkpoint: bool) -> None:
+        self.worker.stop_at(dispatch, step, checkpoint)
 
     def heartbeat(self) -> Heartbeat:
         return self.worker.heartbeat()
@@ -90,6 +98,12 @@ class RayWorkerGroup:
         self.run_url = run_url
         self.attempt = attempt
         self.pg: PlacementGroup | None = None
+        self.slots: dict[int, tuple[PlacementGroup, int]] = {}
+        """rank -> (placement group, bundle index) it runs in: ``(self.pg, rank)`` unless the rank moved."""
+        self.extra_pgs: list[PlacementGroup] = []
+        """Placement groups of ranks that moved off a draining node (see ``prepare_move``)."""
+        self._move: _MoveInProgress | None = None
+        self._dispatch = 0  # numbers run_epoch calls, for planned stops
         self.actors: list[Any] = []
         self.nodes: list[tuple[str, str]] = []
         self.world_size = 0
@@ -111,14 +125,19 @@ class RayWorkerGroup:
 
     def available_for(self, n: int) -> bool:
         avail = ray.available_resources()
+        drains = draining_nodes() if self.cfg.failures.preemption else {}
+        for node in ray.nodes() if drains else []:
+            if node["NodeID"] in drains:  # free there, but Ray places nothing new on a draining node
+                for k, v in node.get("Resources", {}).items():
+                    avail[k] = avail.get(k, 0.0) - v
         return all(avail.get(k, 0) >= v * n - 1e-9 for k, v in self.bundle().items())
 
     def reserve(self, sizes: list[int], wait_s: float) -> int:
         """Reserve bundles for ``sizes[0]`` workers, waiting up to ``wait_s``; failing that, the largest
         of the smaller ``sizes`` the cluster grants now. Raise ResourcesUnavailableError otherwise."""
         strategy = self.cfg.scaling.placement_strategy
-        if self.pg is not None and sizes[0] == len(self.pg.bundle_specs):
-            return sizes[0]  # adopted from the previous attempt (warm restart): already reserved
+        if self.slots and len(self.slots) in sizes:
+            return len(self.slots)  # adopted from the previous attempt (warm restart): already reserved
         for i, n in enumerate(sizes):
             pg = placement_group([self.bundle()] * n, strategy=strategy)
             try:
@@ -127,6 +146,7 @@ class RayWorkerGroup:
                 remove_placement_group(pg)
                 continue
             self.pg = pg
+            self.slots = {r: (pg, r) for r in range(n)}
             return n
         need = ", ".join(f"{k}={v:g}" for k, v in self.bundle().items())
         raise ResourcesUnavailableError(
@@ -141,29 +161,15 @@ class RayWorkerGroup:
     def start(self, world_size: int, peers: PeerPlan | None = None) -> list[SetupInfo]:
         """Create the actors in the reserved placement group, rendezvous, set up every rank (taking the
         state from rank ``peers.source`` when a peer plan is given)."""
-        assert self.pg is not None, "reserve() first"
+        assert self.slots, "reserve() first"
         self.world_size = world_size
-        s = self.cfg.scaling
         cls = ray.remote(_WorkerActor)
         self.reused = len(self._adopted)
         for rank in range(world_size):
             if rank in self._adopted:
                 self.actors.append(self._adopted.pop(rank))
                 continue
-            opts: dict[str, Any] = {
-                "num_cpus": s.cpus_per_worker,
-                "num_gpus": 1 if s.use_gpu else 0,
-                "resources": dict(s.resources_per_worker),
-                "max_concurrency": 2,
-                "max_restarts": 0,
-                "name": f"cluster:{self.cfg.name}:rank{rank}:attempt{self.attempt}",
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=rank
-                ),
-            }
-            self.actors.append(
-                cls.options(**opts).remote(self.cfg, rank, world_size, self.run_url, self.attempt)
-            )
+            self.actors.append(self._new_actor(cls, rank, world_size, self.slots[rank], f"rank{rank}"))
         timeout = self.cfg.failures.process_group_timeout_s
         self.nodes = self._get([a.node.remote() for a in self.actors], timeout)
         _check_same_code(self._get([a.code.remote() for a in self.actors], timeout), self.nodes)
@@ -176,14 +182,30 @@ class RayWorkerGroup:
         self._start_spare(cls)
         return infos
 
+    def _new_actor(
+        self, cls: Any, rank: int, world_size: int, slot: tuple[PlacementGroup, int], what: str
+    ) -> Any:
+        s = self.cfg.scaling
+        return cls.options(
+            num_cpus=s.cpus_per_worker,
+            num_gpus=1 if s.use_gpu else 0,
+            resources=dict(s.resources_per_worker),
+            max_concurrency=2,
+            max_restarts=0,
+            name=f"cluster:{self.cfg.name}:{what}:attempt{self.attempt}",
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=slot[0], placement_group_bundle_index=slot[1]
+            ),
+        ).remote(self.cfg, rank, world_size, self.run_url, self.attempt)
+
     def _start_spare(self, cls: Any) -> None:
         """failures.hot_spare: one idle, prepared worker that can take a dead rank's place at once."""
         mode = self.cfg.failures.hot_spare
-        if mode is False or self.cfg.scaling.use_gpu or self.pg is None:
+        if mode is False or self.cfg.scaling.use_gpu or not self.slots:
             self.spare_note = "off"
             return
-        bundle = self._spare_bundle() if mode == "auto" else -1
-        if bundle is None:
+        rank = self._spare_bundle() if mode == "auto" else self.world_size - 1
+        if rank is None:
             self.spare_note = (
                 "off: no node of the job has a free CPU share for it (failures.hot_spare=auto); "
                 "set failures.hot_spare=true to keep one anyway"
@@ -195,7 +217,7 @@ class RayWorkerGroup:
             max_restarts=0,
             name=f"cluster:{self.cfg.name}:spare:attempt{self.attempt}",
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self.pg, placement_group_bundle_index=bundle
+                placement_group=self.slots[rank][0], placement_group_bundle_index=self.slots[rank][1]
             ),
         ).remote(self.cfg, 0, self.world_size, self.run_url, self.attempt)
         self._spare_ready = self.spare.prepare.remote()
@@ -228,7 +250,135 @@ class RayWorkerGroup:
         return ray.get(refs)
 
     def run_epoch(self, epoch: int, start_step: int) -> None:
-        self._pending = [a.run_epoch.remote(epoch, start_step) for a in self.actors]
+        self._dispatch += 1
+        self._pending = [a.run_epoch.remote(epoch, start_step, self._dispatch) for a in self.actors]
+
+    def stop(self, checkpoint: bool) -> int:
+        """Stop every rank at the same step boundary of the running epoch (``Worker.hold_stop``, then
+        ``Worker.stop_at``); rank 0 commits a checkpoint there when ``checkpoint``. Returns the step; the
+        epoch's results (``poll``) come back with ``stopped`` set, or whole if the epoch ended first."""
+        timeout = self.cfg.failures.process_group_timeout_s
+        steps = self._get([a.hold_stop.remote(self._dispatch) for a in self.actors], timeout)
+        step = max(steps) + HOLD_STEPS
+        self._get([a.stop_at.remote(self._dispatch, step, checkpoint) for a in self.actors], timeout)
+        return step
+
+    def draining(self) -> list[DrainNotice]:
+        """Ray's drain notices for the nodes that hold ranks of this group."""
+        drains = draining_nodes()
+        out = []
+        for node_id, deadline in drains.items():
+            ranks = tuple(r for r, (n, _) in enumerate(self.nodes) if n == node_id)
+            if ranks:
+                out.append(DrainNotice(node_id, ranks, deadline))
+        return out
+
+    def prepare_move(self, ranks: list[int]) -> None:
+        """Start replacements for ``ranks`` while training goes on: a placement group of their bundles
+        (Ray places none on a draining node; an autoscaler adds a node for it), an actor per rank, each
+        preparing its task and dataset. ``move_status`` says when they are ready."""
+        self.cancel_move()
+        pg = placement_group([self.bundle()] * len(ranks), strategy=self.cfg.scaling.placement_strategy)
+        self._move = _MoveInProgress(list(ranks), pg, pg.ready())
+
+    def move_status(self) -> str:
+        """``placing``, ``preparing``, ``ready``, or ``failed: <why>`` for the move ``prepare_move`` began."""
+        m = self._move
+        if m is None:
+            return "failed: no move in progress"
+        if m.actors is None:
+            ready, _ = ray.wait([m.placed], timeout=0)
+            if not ready:
+                return "placing"
+            cls = ray.remote(_WorkerActor)
+            m.actors = {
+                r: self._new_actor(cls, r, self.world_size, (m.pg, i), f"rank{r}:move")
+                for i, r in enumerate(m.ranks)
+            }
+            m.prepared = [a.prepare.remote() for a in m.actors.values()]
+        ready, _ = ray.wait(m.prepared, num_returns=len(m.prepared), timeout=0)
+        if len(ready) < len(m.prepared):
+            return "preparing"
+        try:
+            ray.get(m.prepared)
+        except Exception as exc:
+            return f"failed: a replacement could not start: {_short(exc)}"
+        return "ready"
+
+    def move_nodes(self) -> list[str]:
+        """The nodes the replacements run on (after ``move_status`` said ready)."""
+        m = self._move
+        if m is None or m.actors is None:
+            return []
+        table = placement_group_table(m.pg).get("bundles_to_node_id", {})
+        return [str(table.get(i, "")) for i in range(len(m.ranks))]
+
+    def cancel_move(self) -> None:
+        m, self._move = self._move, None
+        if m is None:
+            return
+        for rank, actor in (m.actors or {}).items():
+            _kill(actor, f"the replacement of rank {rank}")
+        remove_placement_group(m.pg)
+
+    def salvage_stopped(self, attempt: int, retire: list[int], keep_state: bool) -> Salvage | None:
+        """After ``stop``: keep every rank but ``retire`` for the next group, with its state in memory when
+        ``keep_state``; the replacements ``prepare_move`` made take the retired ranks (same numbers). With
+        no move in progress the remaining ranks are renumbered 0..K-1 (the group continues smaller, from a
+        checkpoint). None when nothing is kept."""
+        t0 = time.perf_counter()
+        move, self._move = self._move, None
+        self._kill_spare()
+        keep = [r for r in range(len(self.actors)) if r not in retire]
+        slots: dict[int, tuple[PlacementGroup, int]] = {}
+        actors: dict[int, Any] = {}
+        if move is not None and move.actors is not None and sorted(move.ranks) == sorted(retire):
+            numbering = {r: r for r in keep}
+            for i, r in enumerate(move.ranks):
+                actors[r], slots[r] = move.actors[r], (move.pg, i)
+            self.extra_pgs.append(move.pg)
+        else:
+            if move is not None:
+                self._move = move
+                self.cancel_move()
+            numbering = {r: i for i, r in enumerate(keep)}
+        world = len(numbering) + len(actors)
+        calls: dict[int, Any] = {}
+        for old, new in numbering.items():
+            method = "release" if keep_state else "reset"
+            calls[new] = getattr(self.actors[old], method).remote(new, world, attempt)
+            actors[new], slots[new] = self.actors[old], self.slots[old]
+        for r in actors:
+            if r not in calls:
+                calls[r] = actors[r].reset.remote(r, world, attempt)
+        peers: dict[int, PeerState] = {}
+        ready, _ = ray.wait(list(calls.values()), num_returns=len(calls), timeout=RELEASE_S)
+        ok = len(ready) == len(calls)
+        for r, ref in calls.items():
+            try:
+                state = ray.get(ref, timeout=0) if ref in ready else None
+            except Exception as exc:
+                logger.warning("rank %d could not be kept for the next group: %s", r, _short(exc))
+                ok = False
+                continue
+            if isinstance(state, PeerState):
+                peers[r] = state
+        for r in retire:
+            _kill(self.actors[r], f"rank {r} (retired from a draining node)")
+        logger.debug("salvage after a stop: %.3fs", time.perf_counter() - t0)
+        if not ok:  # a rank failed to reset: start anew (from the checkpoint the driver made sure of)
+            for r, actor in actors.items():
+                _kill(actor, f"rank {r}")
+            self._remove_pgs()
+            self.actors = []
+            return None
+        salvage = Salvage(
+            resources=_Resources(self.pg, slots, list(self.extra_pgs)),
+            actors=actors,
+            peers=peers if keep_state else None,
+        )
+        self.pg, self.slots, self.extra_pgs, self.actors = None, {}, [], []
+        return salvage
 
     def poll(self, timeout: float) -> list[EpochResult] | None:
         """Results of the epoch when every rank is done; None while running; raises on the first error."""
@@ -322,8 +472,9 @@ class RayWorkerGroup:
         fcfg = self.cfg.failures
         if not fcfg.warm_restart or failure.kind not in ("worker_died", "user_error", "node_lost"):
             return None
-        if self.pg is None or not self._pending:
+        if not self.slots or not self._pending:
             return None
+        self.cancel_move()  # a failure during a move: the ranks recover as from any failure
         dead = {r for r, e in self._errors(0.0).items() if isinstance(e, RayActorError)}
         lost_nodes: set[str] = set()
         if failure.kind == "node_lost":
@@ -398,12 +549,16 @@ class RayWorkerGroup:
             if r not in kept:
                 _kill(actor, f"rank {r}")
         if not kept:
-            remove_placement_group(self.pg)
-            self.pg = None
+            self._remove_pgs()
             self.actors = []
             return None
-        salvage = Salvage(resources=self.pg, actors=kept, peers=peers if keep_state else None, rows=rows)
-        self.pg, self.actors = None, []
+        salvage = Salvage(
+            resources=_Resources(self.pg, dict(self.slots), list(self.extra_pgs)),
+            actors=kept,
+            peers=peers if keep_state else None,
+            rows=rows,
+        )
+        self.pg, self.slots, self.extra_pgs, self.actors = None, {}, [], []
         return salvage
 
     def _bundles_replaced(self, lost_nodes: set[str]) -> bool:
@@ -418,9 +573,10 @@ class RayWorkerGroup:
             time.sleep(0.1)
         deadline = time.monotonic() + self.cfg.scaling.resource_wait_s
         while True:
-            table = placement_group_table(self.pg)
-            on = set(table.get("bundles_to_node_id", {}).values())
-            if table.get("state") == "CREATED" and not on & lost_nodes:
+            # the bundles the ranks use (a bundle vacated by a move may stay unplaced: it is not used)
+            tables = {id(pg): placement_group_table(pg) for pg, _ in self.slots.values()}
+            on = {tables[id(pg)].get("bundles_to_node_id", {}).get(i) for pg, i in self.slots.values()}
+            if None not in on and not on & lost_nodes:
                 return True
             if time.monotonic() > deadline:
                 return False
@@ -474,13 +630,15 @@ class RayWorkerGroup:
             self.spare = None
 
     def adopt(self, salvage: Salvage) -> None:
-        self.pg = salvage.resources
+        res: _Resources = salvage.resources
+        self.pg, self.slots, self.extra_pgs = res.pg, dict(res.slots), list(res.extra_pgs)
         self._adopted = dict(salvage.actors)
 
     def shutdown(self, graceful: bool) -> None:
         """Graceful: destroy process groups and stop actors. Otherwise kill at once (a survivor may be
         blocked in a collective that will not return before the process-group timeout)."""
         self._kill_spare()
+        self.cancel_move()
         if graceful and self.actors:
             try:
                 ray.get([a.shutdown.remote() for a in self.actors], timeout=10)
@@ -489,14 +647,36 @@ class RayWorkerGroup:
         for rank, actor in enumerate(self.actors):
             _kill(actor, f"rank {rank}")
         self.actors = []
-        if self.pg is not None:
+        self._remove_pgs()
+
+    def _remove_pgs(self) -> None:
+        pgs = ([self.pg] if self.pg is not None else []) + self.extra_pgs
+        for pg in pgs:
             try:
-                remove_placement_group(self.pg)
+                remove_placement_group(pg)
             except Exception as exc:
                 logger.warning(
-                    "could not remove the placement group (Ray frees it with the job): %s", _short(exc)
+                    "could not remove a placement group (Ray frees it with the job): %s", _short(exc)
                 )
-            self.pg = None
+        self.pg, self.slots, self.extra_pgs = None, {}, []
+
+
+@dataclass(frozen=True)
+class _Resources:
+    """What a group hands to the next one in a Salvage: its placement groups and where each rank runs."""
+
+    pg: PlacementGroup | None
+    slots: dict[int, tuple[PlacementGroup, int]]
+    extra_pgs: list[PlacementGroup]
+
+
+@dataclass
+class _MoveInProgress:
+    ranks: list[int]
+    pg: PlacementGroup
+    placed: Any
+    actors: dict[int, Any] | None = None
+    prepared: list[Any] = field(default_factory=list)
 
 
 # The modules a worker runs; the operator tools (inspect, __main__) do not change what trains.
@@ -508,6 +688,7 @@ _TRAINING_MODULES = (
     "errors.py",
     "group.py",
     "peer.py",
+    "preemption.py",
     "process.py",
     "storage.py",
     "task.py",

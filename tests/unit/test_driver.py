@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -18,6 +19,7 @@ from cluster.errors import Failure, ResourcesUnavailableError, TrainingFailedErr
 from cluster.group import Salvage
 from cluster.metrics import read_metrics
 from cluster.peer import PeerPlan, PeerState
+from cluster.preemption import DrainNotice
 from cluster.worker import EpochResult, Heartbeat, ResumePoint, SetupInfo
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
@@ -33,6 +35,8 @@ class ScriptedGroup:
     niceness = "0"  # what every rank reports from scaling.worker_niceness
     survivors: dict[int, PeerState] | None = None  # what salvage keeps (None: nothing)
     rows: list[dict[str, Any]] = []  # rank 0's step rows salvage hands over
+    drains: list[DrainNotice] = []  # what draining() reports (preemption)
+    move_script: list[str] = []  # successive move_status() answers; the last one repeats
 
     def __init__(
         self,
@@ -54,6 +58,9 @@ class ScriptedGroup:
         ScriptedGroup.instances.append(self)
 
     def reserve(self, sizes: list[int], wait_s: float) -> int:
+        adopted = getattr(self, "adopted", None)
+        if adopted is not None and isinstance(adopted.resources, tuple):  # salvage_stopped's resources
+            return int(adopted.resources[1])
         for n in sizes:
             if n <= self.capacity[0]:
                 return n
@@ -92,6 +99,40 @@ class ScriptedGroup:
     def run_epoch(self, epoch: int, start_step: int) -> None:
         self.calls.append(f"epoch{epoch}@{start_step}")
         self.epoch, self.start_step = epoch, start_step
+        self.stop_step: int | None = None
+
+    def stop(self, checkpoint: bool) -> int:
+        self.calls.append(f"stop(checkpoint={checkpoint})")
+        self.stop_step = self.epoch * STEPS + self.start_step + 1  # one step into the epoch
+        return self.stop_step
+
+    def draining(self) -> list[DrainNotice]:
+        self.drain_reads = getattr(self, "drain_reads", 0) + 1
+        return list(ScriptedGroup.drains)
+
+    def prepare_move(self, ranks: list[int]) -> None:
+        self.calls.append(f"prepare_move{ranks}")
+
+    def move_status(self) -> str:
+        script = ScriptedGroup.move_script
+        return script.pop(0) if len(script) > 1 else script[0]
+
+    def move_nodes(self) -> list[str]:
+        return ["n-new"]
+
+    def cancel_move(self) -> None:
+        self.calls.append("cancel_move")
+
+    def salvage_stopped(self, attempt: int, retire: list[int], keep_state: bool) -> Salvage | None:
+        self.calls.append(f"salvage_stopped{retire} keep_state={keep_state}")
+        step = self.stop_step or 0
+        keep = self.world_size if ScriptedGroup.move_script[-1] == "ready" else self.world_size - len(retire)
+        peers = {
+            r: PeerState(r, step, step // STEPS, step % STEPS, "d", 10, "") for r in range(keep) if keep_state
+        }
+        return Salvage(
+            resources=("slots", keep), actors=dict.fromkeys(range(keep), "actor"), peers=peers or None
+        )
 
     def poll(self, timeout: float) -> list[EpochResult] | None:
         self.polls.append(timeout)
@@ -101,8 +142,14 @@ class ScriptedGroup:
         if outcome == "hang":
             self.script.insert(0, "hang")
             return None
-        if outcome == "busy":  # one poll that finds the epoch still running
+        if outcome == "busy":  # one poll that finds the epoch still running (waits a little, as ray.wait)
+            time.sleep(min(timeout, 0.01))
             return None
+        if getattr(self, "stop_step", None) is not None:  # stopped one step into the epoch
+            return [
+                EpochResult(r, self.epoch, self.stop_step, 1, 8, 1.0, 0.01, 1.0, stopped=True)  # type: ignore[arg-type]
+                for r in range(self.world_size)
+            ]
         steps = STEPS - self.start_step
         gs = (self.epoch + 1) * STEPS
         return [
@@ -151,6 +198,8 @@ def make(
     ScriptedGroup.instances = []
     ScriptedGroup.survivors = None
     ScriptedGroup.rows = []
+    ScriptedGroup.drains = []
+    ScriptedGroup.move_script = ["ready"]
     cap = [capacity]
     cfg = load_config(
         data={"storage": {"url": f"memory://drv-{uuid.uuid4().hex}"}},
@@ -246,6 +295,35 @@ def test_shrinks_to_min_workers_then_grows_back_at_epoch_boundary() -> None:
     resizes = [e for e in driver.events.records() if e["event"] == "resize"]
     assert [(e["old"], e["new"]) for e in resizes] == [(2, 1), (1, 2)]
     assert all(e["reason"] for e in resizes)
+
+
+def test_a_smaller_group_grows_back_mid_epoch_at_a_step_checkpoint() -> None:
+    """Room returns while the smaller group is in the middle of an epoch: it stops at the next step
+    boundary with a checkpoint there, and the full group starts from it (no waiting for the epoch end)."""
+    driver, cap = make(
+        {0: [Failure("node_lost", 1, "node_lost:gone")], 1: ["busy", "busy"]},
+        ["scaling.min_workers=1"],
+        resume={1: 0, 2: 1},
+    )
+    original_factory = driver.group_factory
+
+    def factory(cfg: JobConfig, url: str, attempt: int) -> Any:
+        cap[0] = 1 if attempt == 1 else 2
+        group = original_factory(cfg, url, attempt)
+        if attempt == 1:
+            group.available_for = lambda n: True  # type: ignore[method-assign]  # the node is back
+        return group
+
+    driver.group_factory = factory
+    result = driver.run()
+    assert result.status == "finished"
+    small = ScriptedGroup.instances[1]
+    assert small.world_size == 1 and "stop(checkpoint=True)" in small.calls
+    assert small.calls.index("stop(checkpoint=True)") < small.calls.index("finish")  # stop, flush, resize
+    assert ScriptedGroup.instances[2].world_size == 2
+    resizes = [e for e in driver.events.records() if e["event"] == "resize"]
+    assert [(e["old"], e["new"]) for e in resizes] == [(2, 1), (1, 2)]
+    assert resizes[1]["at_step"] == 1  # one step into the epoch, not at its end
 
 
 class _Terminal(io.StringIO):
@@ -505,3 +583,80 @@ def test_a_lost_node_with_nothing_kept_says_why() -> None:
     assert driver.run().status == "finished"
     decision = next(e for e in driver.events.records() if e["event"] == "decision")
     assert decision["source"] == "checkpoint" and "a node was lost" in decision["fallback"]
+
+
+# ------------------------------------------------------------------------------------------- preemption
+def _notice(seconds_left: float | None, ranks: tuple[int, ...] = (1,)) -> DrainNotice:
+    return DrainNotice("node-b", ranks, None if seconds_left is None else time.time() + seconds_left)
+
+
+def test_drain_notice_moves_the_ranks_between_two_steps_from_peers() -> None:
+    """Notice -> replacements placed and prepared -> stop at a step -> retire the draining rank -> the next
+    group takes the state from a healthy rank: no failure, no step lost, before the deadline."""
+    driver, _ = make({0: ["busy"] * 6}, ["training.epochs=2"])
+    ScriptedGroup.drains = [_notice(60)]
+    ScriptedGroup.move_script = ["placing", "preparing", "ready"]
+    result = driver.run()
+    assert result.status == "finished" and not result.failures
+    first, second = ScriptedGroup.instances
+    assert "prepare_move[1]" in first.calls
+    assert "stop(checkpoint=False)" in first.calls  # the state moves from a peer: no checkpoint needed
+    assert "salvage_stopped[1] keep_state=True" in first.calls
+    assert second.peers is not None and second.peers.global_step == 1  # resumed where the stop was
+    assert second.calls[0] == "epoch0@1"
+    ev = driver.events.records()
+    (notice,) = [e for e in ev if e["event"] == "preemption_notice"]
+    assert notice["ranks"] == [1] and 50 < notice["seconds_left"] <= 60
+    (move,) = [e for e in ev if e["event"] == "preemption_move"]
+    assert move["lost_steps"] == 0 and move["source"] == "peers" and move["seconds_before_deadline"] > 0
+    assert not [e for e in ev if e["event"] in ("failure", "recovered")]
+    assert not [e for e in ev if e["event"] == "preemption_notice"][1:]  # acted on once
+
+
+def test_drain_notice_without_peer_recovery_moves_through_a_checkpoint_at_the_stop() -> None:
+    driver, _ = make({0: ["busy", "busy"]}, ["training.epochs=2", "failures.recover_from_peers=false"])
+    ScriptedGroup.drains = [_notice(60)]
+    driver.run()
+    first, second = ScriptedGroup.instances
+    assert "stop(checkpoint=True)" in first.calls and "salvage_stopped[1] keep_state=False" in first.calls
+    assert second.peers is None
+
+
+def test_notice_shorter_than_the_margin_checkpoints_at_once_and_shrinks_when_allowed() -> None:
+    driver, _ = make({0: ["busy", "busy"]}, ["training.epochs=2", "scaling.min_workers=1"])
+    ScriptedGroup.drains = [_notice(5)]  # under the default 10 s margin
+    ScriptedGroup.move_script = ["placing"]
+    result = driver.run()
+    first, second = ScriptedGroup.instances[:2]
+    assert not any(c.startswith("prepare_move") for c in first.calls)  # no time to place anything
+    assert "stop(checkpoint=True)" in first.calls and "salvage_stopped[1] keep_state=False" in first.calls
+    assert second.world_size == 1 and result.status == "finished"
+    ev = driver.events.records()
+    (ck,) = [e for e in ev if e["event"] == "preemption_checkpoint"]
+    assert ck["step"] == 1 and "preemption_margin_s" in ck["reason"]
+    resizes = [e for e in ev if e["event"] == "resize"]
+    assert (resizes[0]["old"], resizes[0]["new"]) == (2, 1) and "preemption" in resizes[0]["reason"]
+
+
+def test_no_room_and_min_workers_rule_out_shrinking_so_the_same_ranks_go_on() -> None:
+    """Replacements never placed and the deadline margin passes: checkpoint at the stop, then continue on
+    the same group from that step (the node's loss, when it comes, is an ordinary lost node)."""
+    driver, _ = make({0: ["busy", "busy", "busy"]}, ["training.epochs=2", "scaling.resource_wait_s=0.005"])
+    ScriptedGroup.drains = [_notice(None)]  # a drain without a deadline waits scaling.resource_wait_s
+    ScriptedGroup.move_script = ["placing"]
+    result = driver.run()
+    assert result.status == "finished" and len(ScriptedGroup.instances) == 1
+    (group,) = ScriptedGroup.instances
+    assert "prepare_move[1]" in group.calls and "cancel_move" in group.calls
+    assert "stop(checkpoint=True)" in group.calls
+    i = group.calls.index("stop(checkpoint=True)")
+    assert "epoch0@1" in group.calls[i:]  # the same ranks go on from the stop step
+    (ck,) = [e for e in driver.events.records() if e["event"] == "preemption_checkpoint"]
+    assert "no room" in ck["reason"]
+
+
+def test_preemption_off_never_reads_drains() -> None:
+    driver, _ = make({0: ["busy"]}, ["failures.preemption=false"])
+    ScriptedGroup.drains = [_notice(60)]
+    driver.run()
+    assert not hasattr(ScriptedGroup.instances[0], "drain_reads")

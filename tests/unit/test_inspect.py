@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.inspect import FAILED, FINISHED, UNFINISHED, count_attempts, failure_records, flatten, run_status
+from cluster.inspect import (
+    FAILED,
+    FINISHED,
+    UNFINISHED,
+    count_attempts,
+    failure_records,
+    flatten,
+    preemption_records,
+    run_status,
+)
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -64,3 +73,53 @@ def test_flatten_keeps_free_form_mappings_whole() -> None:
         "storage.url": "s3://b",
         "storage.options": {"key": "***"},
     }
+
+
+def test_preemption_notices_pair_with_what_followed() -> None:
+    events = [
+        ev("preemption_notice", node="aaaa", ranks=[1], seconds_left=20.0),
+        ev("group_started", attempt=1),
+        ev(
+            "preemption_move",
+            ranks=[1],
+            source="peers",
+            stop_step=24,
+            lost_steps=0,
+            stall_s=0.8,
+            seconds_before_deadline=14.2,
+        ),
+        ev("preemption_notice", node="bbbb", ranks=[0, 1], seconds_left=5.0),
+        ev(
+            "preemption_checkpoint",
+            step=40,
+            committed=True,
+            reason="the notice leaves 5s",
+            seconds_before_deadline=4.1,
+        ),
+        ev(
+            "resize",
+            old=2,
+            new=1,
+            reason="preemption: the notice leaves 5s",
+            source="checkpoint",
+            stop_step=40,
+            lost_steps=0,
+            stall_s=2.5,
+            seconds_before_deadline=2.0,
+        ),
+        ev("preemption_notice", node="cccc", ranks=[1], seconds_left=5.0),
+        ev("preemption_checkpoint", step=60, committed=True, reason="no room", seconds_before_deadline=4.0),
+        ev("preemption_notice", node="dddd", ranks=[1], seconds_left=None),
+    ]
+    moved, shrunk, checkpointed, pending = preemption_records(events)
+    assert (moved.action, moved.source, moved.stop_step, moved.lost_steps) == ("moved", "peers", 24, 0)
+    assert moved.before_deadline_s == 14.2 and moved.notice_s == 20.0
+    assert (shrunk.action, shrunk.source, shrunk.stop_step, shrunk.ranks) == (
+        "shrunk",
+        "checkpoint",
+        40,
+        [0, 1],
+    )
+    assert shrunk.reason == "the notice leaves 5s"
+    assert (checkpointed.action, checkpointed.stop_step, checkpointed.lost_steps) == ("checkpointed", 60, 0)
+    assert pending.action == "pending" and pending.notice_s is None

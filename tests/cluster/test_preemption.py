@@ -1,0 +1,286 @@
+"""Spot preemption on a real multi-node Ray (ray.cluster_utils.Cluster, fast health checks): a node gets a
+drain notice through Ray's GCS drain API (what the autoscaler and ``ray drain-node`` call) and is killed at
+its deadline. The ranks on it must be gone by then, with nothing lost."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from cluster import load_checkpoint, load_config, train
+from cluster.inspect import format_show, read_events, report
+from cluster.storage import Storage
+from tests.audit_task import audit
+from tests.conftest import REPO
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+B, SAMPLES, EPOCHS = 32, 512, 6
+STEPS = SAMPLES // B
+
+
+@pytest.fixture
+def ray_cluster() -> Iterator[Any]:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    temp = tempfile.mkdtemp(prefix="rp", dir="/tmp")
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 0,
+            "include_dashboard": False,
+            "temp_dir": temp,
+            "_system_config": {
+                "health_check_period_ms": 1000,
+                "health_check_timeout_ms": 1000,
+                "health_check_failure_threshold": 3,
+            },
+        },
+    )
+    try:
+        ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": REPO}}, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def add_nodes(cluster: Any, n: int) -> None:
+    for _ in range(n):  # one CPU each: one rank per node, no room for a hot spare
+        cluster.add_node(num_cpus=1, resources={"trainer": 1})
+    cluster.wait_for_nodes()
+
+
+def job(tmp: str, name: str, *extra: str) -> list[str]:
+    return [
+        f"storage={tmp}/runs",
+        f"name={name}",
+        "task=tests.audit_task:AuditTask",
+        f"task_args={{audit_dir: {tmp}/audit-{name}, samples: {SAMPLES}, step_sleep_s: 0.12}}",
+        "scaling.num_workers=2",
+        "scaling.cpus_per_worker=1",
+        "scaling.resources_per_worker={trainer: 1}",
+        "scaling.resource_wait_s=30",
+        f"training.global_batch_size={B}",
+        f"training.epochs={EPOCHS}",
+        "checkpoint.every_steps=8",
+        "failures.backoff_s=0.1",
+        "failures.hang_timeout_floor_s=60",
+        *extra,
+    ]
+
+
+def events(run_url: str, kind: str) -> list[dict]:
+    return [e for e in read_events(Storage(run_url)) if e["event"] == kind]
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if cond():
+                return
+        except (FileNotFoundError, json.JSONDecodeError, IndexError):
+            pass
+        time.sleep(0.05)
+    raise TimeoutError("condition not reached")
+
+
+def in_background(tmp: str, name: str, *extra: str) -> tuple[threading.Thread, dict[str, Any]]:
+    os.makedirs(f"{tmp}/audit-{name}")
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = train(
+                load_config("jobs/configs/tiny_cpu.yaml", job(tmp, name, *extra)), io.StringIO()
+            )
+        except BaseException as exc:
+            box["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)  # nodes are drained and killed from the main thread
+    t.start()
+    return t, box
+
+
+def drain(cluster: Any, node_id: str, reason: str, seconds: float | None) -> tuple[bool, str]:
+    """What ``ray drain-node`` does: the GCS drain API, with a deadline in ms since the epoch."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    gcs = ray._raylet.GcsClient(address=cluster.address)
+    deadline_ms = 0 if seconds is None else int((time.time() + seconds) * 1000)
+    accepted, why = gcs.drain_node(node_id, autoscaler_pb2.DrainNodeReason.Value(reason), "test", deadline_ms)
+    return bool(accepted), str(why)
+
+
+def kill_at(cluster: Any, node_id: str, at: float) -> threading.Thread:
+    """The provider takes the node at the deadline (Ray does not kill a drained node by itself)."""
+
+    def go() -> None:
+        time.sleep(max(0.0, at - time.time()))
+        (node,) = [n for n in cluster.worker_nodes if n.node_id == node_id]
+        cluster.remove_node(node, allow_graceful=False)
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t
+
+
+def rank_node(run_url: str, rank: int) -> str:
+    return str(events(run_url, "group_started")[-1]["nodes"][rank])
+
+
+def test_preemption_notice_moves_a_rank_before_the_deadline_with_no_step_lost(
+    ray_cluster: Any, tmp_path: object
+) -> None:
+    """Three nodes, ranks on two: the node of rank 1 is drained (PREEMPTION, 20 s) and killed at the
+    deadline. The rank moves to the free node between two steps from rank 0's memory, before the kill; no
+    failure, no step lost, the final weights equal a run without the drain, bit for bit. An idle-termination
+    drain of a node that holds a rank is refused by Ray and changes nothing."""
+    import torch
+
+    from cluster.preemption import draining_nodes
+
+    add_nodes(ray_cluster, 3)
+    tmp = str(tmp_path)
+    ref_thread, ref_box = in_background(tmp, "ref")
+    ref_thread.join(240)
+    assert "error" not in ref_box, ref_box.get("error")
+    run_url = f"{tmp}/runs/spot"
+    trainer, box = in_background(tmp, "spot")
+    wait_for(lambda: os.path.exists(f"{run_url}/checkpoints/step_{STEPS + 8:09d}/manifest.json"))
+    node = rank_node(run_url, 1)
+    accepted, why = drain(ray_cluster, node, "DRAIN_NODE_REASON_IDLE_TERMINATION", None)
+    assert not accepted and "idle" in why.lower(), why  # Ray never takes a node with ranks as idle
+    assert draining_nodes() == {}
+    accepted, why = drain(ray_cluster, node, "DRAIN_NODE_REASON_PREEMPTION", 20)
+    assert accepted, why
+    deadline = time.time() + 20
+    # the one internal read this feature relies on (cluster.preemption.draining_nodes): fail loudly here
+    # if Ray changes it
+    seen = draining_nodes()
+    assert list(seen) == [node] and abs(seen[node] - deadline) < 2, seen  # type: ignore[operator]
+    killer = kill_at(ray_cluster, node, deadline)
+    trainer.join(240)
+    killer.join(30)
+    assert "error" not in box, box.get("error")
+    result = box["result"]
+    assert result.status == "finished" and result.world_size == 2 and not result.failures
+    (notice,) = events(run_url, "preemption_notice")
+    assert notice["node"] == node and notice["ranks"] == [1] and 15 < notice["seconds_left"] <= 20
+    (move,) = events(run_url, "preemption_move")
+    assert move["ranks"] == [1] and move["source"] == "peers" and move["lost_steps"] == 0, move
+    assert move["resume_step"] == move["stop_step"] and move["seconds_before_deadline"] > 0, move
+    assert move["to_nodes"][0] != node
+    assert not events(run_url, "failure") and not events(run_url, "recovered")
+    first, second = events(run_url, "group_started")
+    assert second["pids"][0] == first["pids"][0] and second["nodes"][1] != node  # rank 0 kept its process
+    assert second["time"] < deadline  # the move finished before the node was taken
+    sizes = audit(f"{tmp}/audit-spot", STEPS, B, EPOCHS)
+    assert sizes == {2: EPOCHS * STEPS}
+    trained = sum(1 for name in os.listdir(f"{tmp}/audit-spot") for _ in open(f"{tmp}/audit-spot/{name}"))
+    assert trained == 2 * EPOCHS * STEPS  # every step trained once per rank: nothing lost, nothing redone
+    got, want = load_checkpoint(run_url).model, load_checkpoint(ref_box["result"].run_url).model
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    shown = format_show(report(Storage(run_url)))  # what `python -m cluster show` prints
+    assert "preemption notices (1)" in shown and " moved " in shown, shown
+
+
+def test_no_spare_node_shrinks_before_the_deadline_with_exact_samples(
+    ray_cluster: Any, tmp_path: object
+) -> None:
+    """Two nodes only: no replacement can be placed. With ``scaling.min_workers=1`` the group commits a
+    checkpoint at a step boundary and continues on one rank before the deadline; every sample of every
+    epoch is trained exactly once."""
+    add_nodes(ray_cluster, 2)
+    tmp = str(tmp_path)
+    run_url = f"{tmp}/runs/shrink"
+    trainer, box = in_background(
+        tmp, "shrink", "scaling.min_workers=1", "failures.preemption_margin_s=14", "scaling.resource_wait_s=4"
+    )
+    wait_for(lambda: os.path.exists(f"{run_url}/checkpoints/step_{STEPS + 8:09d}/manifest.json"))
+    node = rank_node(run_url, 1)
+    assert drain(ray_cluster, node, "DRAIN_NODE_REASON_PREEMPTION", 20)[0]
+    deadline = time.time() + 20
+    killer = kill_at(ray_cluster, node, deadline)
+    trainer.join(240)
+    killer.join(30)
+    assert "error" not in box, box.get("error")
+    result = box["result"]
+    assert result.status == "finished" and not result.failures
+    (ck,) = events(run_url, "preemption_checkpoint")
+    assert ck["committed"] and "no room" in ck["reason"] and ck["seconds_before_deadline"] > 0, ck
+    (resize,) = [e for e in events(run_url, "resize") if "preemption" in e["reason"]]
+    assert (resize["old"], resize["new"]) == (2, 1) and resize["lost_steps"] == 0, resize
+    assert resize["time"] < deadline
+    assert not events(run_url, "failure")
+    sizes = audit(f"{tmp}/audit-shrink", STEPS, B, EPOCHS)
+    assert set(sizes) == {1, 2} and sum(sizes.values()) == EPOCHS * STEPS
+
+
+def test_a_notice_too_short_for_a_move_commits_a_checkpoint_before_the_deadline(
+    ray_cluster: Any, tmp_path: object
+) -> None:
+    """A 6 s notice, under the 10 s margin: rank 0 commits a checkpoint at a step boundary at once; the
+    group goes on (min_workers rules out shrinking) until the node is taken, then recovers from rank 0's
+    memory as from any lost node."""
+    add_nodes(ray_cluster, 3)
+    tmp = str(tmp_path)
+    run_url = f"{tmp}/runs/short"
+    trainer, box = in_background(tmp, "short")
+    wait_for(lambda: os.path.exists(f"{run_url}/checkpoints/step_{STEPS + 8:09d}/manifest.json"))
+    node = rank_node(run_url, 1)
+    assert drain(ray_cluster, node, "DRAIN_NODE_REASON_PREEMPTION", 6)[0]
+    deadline = time.time() + 6
+    killer = kill_at(ray_cluster, node, deadline)
+    trainer.join(240)
+    killer.join(30)
+    assert "error" not in box, box.get("error")
+    assert box["result"].status == "finished"
+    (ck,) = events(run_url, "preemption_checkpoint")
+    assert ck["committed"] and "preemption_margin_s" in ck["reason"], ck
+    (commit,) = [e for e in events(run_url, "checkpoint") if e["step"] == ck["step"]]
+    assert commit["time"] < deadline  # committed before the node went
+    (failure,) = events(run_url, "failure")
+    assert failure["kind"] == "node_lost"
+    assert audit(f"{tmp}/audit-short", STEPS, B, EPOCHS) == {2: EPOCHS * STEPS}
+
+
+def test_a_smaller_group_grows_back_in_the_middle_of_an_epoch(ray_cluster: Any, tmp_path: object) -> None:
+    """One node for two ranks: the job starts with one (scaling.min_workers=1). A node joins in the middle
+    of a long epoch: the group stops at the next step boundary with a checkpoint and continues at two ranks
+    from it, without waiting for the epoch's end; every sample is trained exactly once."""
+    add_nodes(ray_cluster, 1)
+    tmp = str(tmp_path)
+    run_url = f"{tmp}/runs/grow"
+    long_epochs = 4 * SAMPLES  # 64 steps an epoch
+    trainer, box = in_background(
+        tmp,
+        "grow",
+        "scaling.min_workers=1",
+        "scaling.resource_wait_s=2",
+        "training.epochs=2",
+        "failures.hang_timeout_floor_s=20",  # heartbeats every second: room is seen within one
+        f"task_args={{audit_dir: {tmp}/audit-grow, samples: {long_epochs}, step_sleep_s: 0.08}}",
+    )
+    wait_for(lambda: os.path.exists(f"{run_url}/checkpoints/step_{8:09d}/manifest.json"))
+    add_nodes(ray_cluster, 1)
+    trainer.join(240)
+    assert "error" not in box, box.get("error")
+    result = box["result"]
+    assert result.status == "finished" and result.world_size == 2
+    grow = [e for e in events(run_url, "resize") if e["new"] == 2]
+    assert len(grow) == 1 and grow[0]["at_step"] % (long_epochs // B) != 0, grow  # mid-epoch
+    assert any(e["step"] == grow[0]["at_step"] for e in events(run_url, "checkpoint"))
+    sizes = audit(f"{tmp}/audit-grow", long_epochs // B, B, 2)
+    assert set(sizes) == {1, 2} and sum(sizes.values()) == 2 * long_epochs // B
