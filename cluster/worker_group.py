@@ -576,7 +576,8 @@ class RayWorkerGroup:
             # the bundles the ranks use (a bundle vacated by a move may stay unplaced: it is not used)
             tables = {id(pg): placement_group_table(pg) for pg, _ in self.slots.values()}
             on = {tables[id(pg)].get("bundles_to_node_id", {}).get(i) for pg, i in self.slots.values()}
-            if None not in on and not on & lost_nodes:
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            if on <= alive - lost_nodes:  # an unplaced bundle maps to no node, or to an empty id
                 return True
             if time.monotonic() > deadline:
                 return False
