@@ -86,8 +86,12 @@ class TrainingConfig:
     compile: bool = False
     """``torch.compile`` the DDP model; checkpoints hold plain weights. CPU jobs need a C++ compiler."""
     deterministic: bool = False
-    """Deterministic torch ops and ``CUBLAS_WORKSPACE_CONFIG=:4096:8``: makes a resumed GPU run bitwise
-    equal to an uninterrupted one (CPU runs are without it). Slower."""
+    """Deterministic torch ops and ``CUBLAS_WORKSPACE_CONFIG=:4096:8``: a resumed GPU run is bitwise an
+    uninterrupted one (CPU runs are without it). Slower."""
+    loader_workers: int = 0
+    """Processes per worker preparing batches ahead (dataset must pickle); 0: none."""
+    prefetch: int = 2
+    """Batches each loader keeps ready."""
 
 
 @dataclass
@@ -421,6 +425,12 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"training.max_steps_per_epoch={t.max_steps_per_epoch} must be at least 1, or null")
     if t.log_every_steps < 1:
         raise ConfigError(f"training.log_every_steps={t.log_every_steps} must be at least 1")
+    if t.loader_workers < 0:
+        raise ConfigError(
+            f"training.loader_workers={t.loader_workers} must be 0 (fetch in the training thread) or positive"
+        )
+    if t.prefetch < 1:
+        raise ConfigError(f"training.prefetch={t.prefetch} must be at least 1 (batches ahead per loader)")
     if t.sync_batchnorm and not s.use_gpu:
         raise ConfigError(
             "training.sync_batchnorm=true needs scaling.use_gpu=true: torch's SyncBatchNorm runs only on "

@@ -8,18 +8,48 @@ seed=seed, drop_last=True)`` gives rank ``r`` after ``set_epoch(e)``, ``B/W`` sa
 their own order: :data:`LEGACY_ORDER`). Because a step's global batch does not depend on ``W``, a run
 resumed at step ``s`` (global sample offset ``s*B``) with any world size trains the rest of the epoch
 without repeating or skipping a sample.
+
+Input pipeline (:class:`InputPipeline`): with ``training.loader_workers=0`` the training thread fetches each
+micro-batch right before its forward. With ``k > 0`` a ``torch.utils.data.DataLoader`` with ``k``
+persistent processes, built once per worker process (kept across epochs and warm restarts, like the task's
+dataset), prepares ``training.prefetch`` micro-batches ahead per process, pinned when the device is CUDA;
+the training thread only copies them to the device (``Task.move_to_device``, non-blocking).
+
+- Order: the loader's sampler (:class:`MicroBatches`) yields exactly the index chunks the training loop
+  trains (each step's local indices split into ``grad_accum_steps`` chunks, from the resume position on),
+  and each batch comes back with its position (epoch, step, micro-batch), which the training thread checks.
+  The sampler is passed as ``sampler=`` with automatic batching off (``batch_size=None``), DataLoader's
+  documented form for loading a whole batch in one call: as a ``batch_sampler`` DataLoader would index the
+  dataset sample by sample and lose ``get_batch``'s one gather per batch. Batches are built by the same
+  :func:`fetch_batch` as in the training thread, so the samples are a pure function of (seed, epoch, step)
+  with loader processes on or off.
+- Every epoch (every ``run_epoch``) starts a fresh iterator; the processes persist. DataLoader drops what
+  the previous iterator had prefetched, so an epoch cut short by a stop, or restarted at another step,
+  never hands out a stale batch.
+- Random draws in the dataset (augmentation) come, in a loader process, from torch's generator seeded per
+  micro-batch from (seed, epoch, step, rank, micro-batch): a resume is exact, but the draws differ from
+  ``loader_workers=0``, where they come from the step's stream in the training thread.
+- Start method ``forkserver``, not Linux's default ``fork``: a forked loader would hold copies of the
+  training process's sockets (gloo peers, the rendezvous store, Ray's), so a killed rank's connections
+  would stay open until its loaders noticed (seconds), delaying its peers' failure detection; and fork
+  after CUDA or other threads started is unsafe. The price: the dataset must be picklable (setup raises a
+  ConfigError otherwise) and each loader process imports torch once, during setup.
 """
 
 from __future__ import annotations
 
+import logging
+import pickle
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from cluster.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 LEGACY_ORDER = 1
 """Epoch ``e`` permutes with ``randperm`` seeded ``seed * 1_000_003 + e``: runs started before order 2."""
@@ -128,6 +158,131 @@ def fetch_batch(dataset: Any, indices: torch.Tensor) -> Any:
     from torch.utils.data import default_collate
 
     return default_collate([dataset[int(i)] for i in indices])
+
+
+Position = tuple[int, int, int]
+"""(epoch, step in epoch, micro-batch) of a micro-batch."""
+
+
+def _micro_seed(seed: int, position: Position, rank: int) -> int:
+    epoch, step, micro = position
+    return (seed * 1_000_003 + epoch * 999_983 + step * 7_919 + micro * 131 + rank * 104_729) % (2**63 - 1)
+
+
+class MicroBatches(Sampler[tuple[Position, int, list[int]]]):
+    """The loader's sampler: for each step of ``source`` (its epoch, from its start step on), the step's
+    local indices split into ``grad_accum`` chunks, in training order, as (position, seed, indices).
+    ``source`` is set per epoch (a warm restart brings a new rank and world size); None yields nothing."""
+
+    def __init__(self, grad_accum: int, seed: int) -> None:
+        self.grad_accum = grad_accum
+        self.seed = seed
+        self.source: ResumableDistributedSampler | None = None
+
+    def __iter__(self) -> Iterator[tuple[Position, int, list[int]]]:
+        src = self.source
+        if src is None:
+            return
+        for step, local_idx in enumerate(src, start=src.start_step):
+            chunks = [c for c in torch.tensor_split(local_idx, self.grad_accum) if len(c)]
+            for micro, chunk in enumerate(chunks):
+                pos = (src.epoch, step, micro)
+                yield pos, _micro_seed(self.seed, pos, src.rank), chunk.tolist()
+
+
+class _Fetch(Dataset[tuple[Position, Any]]):
+    """Runs in a loader process: one micro-batch per item, built by :func:`fetch_batch`."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, item: tuple[Position, int, list[int]]) -> tuple[Position, Any]:
+        pos, seed, indices = item
+        torch.default_generator.manual_seed(seed)
+        return pos, fetch_batch(self.dataset, torch.tensor(indices, dtype=torch.int64))
+
+
+def _as_is(batch: Any) -> Any:
+    return batch
+
+
+class InputPipeline:
+    """Where the training thread's micro-batches come from (module docstring: order, staleness, start
+    method). One per worker process; ``open`` once the device is known, ``start_epoch`` before each
+    epoch's first step, then ``fetch`` once per micro-batch in training order."""
+
+    def __init__(self, dataset: Any, loader_workers: int, prefetch: int, grad_accum: int, seed: int) -> None:
+        self.dataset = dataset
+        self.loader_workers = loader_workers
+        self.prefetch = prefetch
+        self._micro = MicroBatches(grad_accum, seed)
+        self._loader: DataLoader[Any] | None = None
+        self._it: Iterator[tuple[Position, Any]] | None = None
+
+    def open(self, device: torch.device) -> None:
+        """Start the loader processes (once per process; a no-op when they run or with 0 loaders), so their
+        start overlaps the rest of setup. Raises ConfigError when the dataset cannot be sent to them."""
+        if self.loader_workers == 0 or self._loader is not None:
+            return
+        loader = DataLoader(
+            _Fetch(self.dataset),
+            sampler=self._micro,
+            batch_size=None,
+            num_workers=self.loader_workers,
+            persistent_workers=True,
+            prefetch_factor=self.prefetch,
+            pin_memory=device.type == "cuda",
+            collate_fn=_as_is,  # fetch_batch already collated
+            multiprocessing_context="forkserver",
+            generator=torch.Generator(),  # DataLoader's base seed: never drawn from the step's stream
+        )
+        self._micro.source = None
+        try:
+            self._it = iter(loader)  # starts the processes; nothing to fetch yet
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            raise ConfigError(
+                f"training.loader_workers={self.loader_workers} sends the dataset to loader processes, but "
+                f"{type(self.dataset).__name__} cannot be pickled ({exc}). Make it picklable (no open files, "
+                "lambdas or locally defined classes), or set training.loader_workers=0"
+            ) from None
+        self._loader = loader
+
+    def start_epoch(self, sampler: ResumableDistributedSampler, device: torch.device) -> None:
+        """Before an epoch's first step, after ``sampler.set_epoch``: batches from the sampler's position
+        on, nothing prefetched for an earlier position."""
+        if self.loader_workers == 0:
+            return
+        self.open(device)
+        assert self._loader is not None
+        self._micro.source = sampler
+        self._it = iter(self._loader)  # persistent: the same processes, a reset iterator
+
+    def fetch(self, chunk: torch.Tensor, position: Position) -> Any:
+        """The micro-batch of indices ``chunk`` at ``position``, on the host."""
+        if self.loader_workers == 0:
+            return fetch_batch(self.dataset, chunk)
+        assert self._it is not None, "start_epoch first"
+        try:
+            got, batch = next(self._it)
+        except Exception as exc:
+            # A loader process failed (the dataset raised, or the process died): the next epoch or restart
+            # builds new ones rather than resetting a broken iterator.
+            logger.warning(
+                "input pipeline failed at %s (%s); its loader processes are dropped", position, exc
+            )
+            self.close()
+            raise
+        if got != position:
+            self.close()
+            raise RuntimeError(f"the input pipeline handed out the batch of {got} at {position}")
+        return batch
+
+    def close(self) -> None:
+        """Stop the loader processes (a later ``open`` starts new ones)."""
+        self._it = self._loader = None  # the DataLoader's iterator shuts its processes down when released
 
 
 def read_parquet(

@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from cluster import dist as cdist
 from cluster.checkpoint import CheckpointStore, CheckpointWriter, CommitRecord, step_dir
 from cluster.config import FaultSpec, JobConfig, parse_fault_env
-from cluster.data import LEGACY_ORDER, ORDERS, TORCH_ORDER, ResumableDistributedSampler, fetch_batch
+from cluster.data import LEGACY_ORDER, ORDERS, TORCH_ORDER, InputPipeline, ResumableDistributedSampler
 from cluster.errors import CheckpointError, WorkerError
 from cluster.peer import PeerPlan, PeerState, Transfer, broadcast_state, state_digest
 from cluster.process import set_niceness, tune_process
@@ -258,6 +258,7 @@ class Worker:
         self._kept: TrainSession | None = None  # a survivor's session after its group failed (peer recovery)
         self._task: Task | None = None
         self._dataset: Any = None
+        self._inputs: InputPipeline | None = None
         self._stop = _StopRequest()
         self._last_checkpoint = -1  # the step of rank 0's newest checkpoint in this process
         self.faults = self._faults()
@@ -282,6 +283,17 @@ class Worker:
     def dataset(self) -> Any:
         _ = self.task  # built together with the task
         return self._dataset
+
+    @property
+    def inputs(self) -> InputPipeline:
+        """Where each micro-batch comes from (``cluster.data``): kept, like the dataset, for the life of the
+        process, loader processes included."""
+        if self._inputs is None:
+            t = self.cfg.training
+            self._inputs = InputPipeline(
+                self.dataset, t.loader_workers, t.prefetch, t.grad_accum_steps, t.seed
+            )
+        return self._inputs
 
     # ----------------------------------------------------------------- setup
     def bind_store(self) -> int:
@@ -328,6 +340,7 @@ class Worker:
             if cfg.training.sync_batchnorm:
                 raw_model = nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
             raw_model = raw_model.to(device)
+        self.inputs.open(device)  # loader processes start (once per process) while setup goes on
         t["task"] = time.time()
 
         sampler = ResumableDistributedSampler(
@@ -657,6 +670,7 @@ class Worker:
         tcfg = self.cfg.training
         set_niceness(self.cfg.scaling.worker_niceness)  # threads Ray started since (a few syscalls)
         s.sampler.set_epoch(epoch, start_step)
+        self.inputs.start_epoch(s.sampler, s.device)
         self.epoch, self.step_in_epoch = epoch, start_step
         s.model.train()
         self._in_epoch = True
@@ -744,7 +758,8 @@ class Worker:
             first.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
         metrics: dict[str, Any] = {}
         for i, chunk in enumerate(chunks):
-            batch = self.task.move_to_device(fetch_batch(self.dataset, chunk), s.device)
+            host = self.inputs.fetch(chunk, (self.epoch, self.step_in_epoch, i))
+            batch = self.task.move_to_device(host, s.device)  # non-blocking from pinned memory on CUDA
             sync = i == len(chunks) - 1
             with s.model.no_sync() if not sync else contextlib.nullcontext(), self._autocast(s):
                 loss, extra = self.task.compute_loss(s.model, batch)

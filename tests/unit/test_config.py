@@ -36,6 +36,8 @@ BAD = [
         "GPUs. Set training.sync_batchnorm=false for a CPU job",
     ),
     (["training.compile=maybe"], "training.compile must be true or false"),
+    (["training.loader_workers=-1"], "training.loader_workers=-1 must be 0 (fetch in the training thread)"),
+    (["training.prefetch=0"], "training.prefetch=0 must be at least 1"),
     (["checkpoint.keep_last=0"], "checkpoint.keep_last=0 must be at least 1"),
     (["checkpoint.every_steps=-5"], "checkpoint.every_steps=-5 must be 0 (off) or positive"),
     (["failures.max_failures=-2"], "failures.max_failures=-2 must be -1 (unlimited)"),
