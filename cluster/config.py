@@ -457,6 +457,16 @@ def validate(cfg: JobConfig) -> None:
         )
     if f.process_group_timeout_s <= 0:
         raise ConfigError(f"failures.process_group_timeout_s={f.process_group_timeout_s} must be positive")
+    for name, value in (
+        ("hang_timeout_s", f.hang_timeout_s),
+        ("hang_timeout_floor_s", f.hang_timeout_floor_s),
+    ):
+        if value is not None and value >= f.process_group_timeout_s:
+            raise ConfigError(
+                f"failures.{name}={value:g} must be shorter than failures.process_group_timeout_s="
+                f"{f.process_group_timeout_s:g}: a hung collective would otherwise time out first and be "
+                "reported as a dead worker, not a hang. Lower it, or raise failures.process_group_timeout_s"
+            )
     if f.preemption_margin_s < 0:
         raise ConfigError(
             f"failures.preemption_margin_s={f.preemption_margin_s} must be >= 0 (seconds before a drain's "

@@ -65,7 +65,9 @@ class HangWatch:
     def timeout(self) -> float:
         if self.cfg.hang_timeout_s is not None:
             return self.cfg.hang_timeout_s
-        return max(self.cfg.hang_timeout_floor_s, 10 * self.max_step_time)
+        # below the process-group timeout, so that a stuck collective is seen as a hang before it errors
+        auto = max(self.cfg.hang_timeout_floor_s, 10 * self.max_step_time)
+        return min(auto, 0.9 * self.cfg.process_group_timeout_s)
 
     def update(self, beats: list[Heartbeat | None]) -> tuple[int, str] | None:
         now = time.monotonic()

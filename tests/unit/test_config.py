@@ -42,6 +42,14 @@ BAD = [
     (["checkpoint.every_steps=-5"], "checkpoint.every_steps=-5 must be 0 (off) or positive"),
     (["failures.max_failures=-2"], "failures.max_failures=-2 must be -1 (unlimited)"),
     (["failures.hang_timeout_s=0"], "failures.hang_timeout_s=0.0 must be positive"),
+    (
+        ["failures.hang_timeout_s=300"],
+        "failures.hang_timeout_s=300 must be shorter than failures.process_group_timeout_s=300",
+    ),
+    (
+        ["failures.process_group_timeout_s=30"],
+        "failures.hang_timeout_floor_s=60 must be shorter than failures.process_group_timeout_s=30",
+    ),
     (["name=../escape"], "is not a valid run name"),
     (["name=a/b"], "is not a valid run name"),
     (["name=s3://bucket/x"], "is not a valid run name"),

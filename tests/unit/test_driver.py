@@ -335,7 +335,11 @@ class _Terminal(io.StringIO):
     ("overrides", "terminal", "expected"),
     [
         ([], False, 3.0),  # a twentieth of the default 60 s hang timeout: fewer calls into training workers
-        (["failures.hang_timeout_s=600"], False, 5.0),  # capped at 5 * poll_s
+        (
+            ["failures.hang_timeout_s=600", "failures.process_group_timeout_s=900"],
+            False,
+            5.0,
+        ),  # capped at 5 * poll_s
         (["failures.hang_timeout_s=4"], False, 1.0),  # never below poll_s
         ([], True, 1.0),  # a terminal's live bar refreshes every poll_s
     ],
@@ -660,3 +664,17 @@ def test_preemption_off_never_reads_drains() -> None:
     ScriptedGroup.drains = [_notice(60)]
     driver.run()
     assert not hasattr(ScriptedGroup.instances[0], "drain_reads")
+
+
+def test_the_automatic_hang_timeout_stays_below_the_process_group_timeout() -> None:
+    """A slow step raises the automatic hang timeout (10x the slowest step), but never to the process-group
+    timeout: a stuck collective must be reported as a hang, not as a dead worker when it times out."""
+    from cluster.policy import HangWatch
+
+    cfg = load_config(overrides=["failures.process_group_timeout_s=100", "failures.hang_timeout_floor_s=20"])
+    watch = HangWatch(cfg.failures, 0)
+    assert watch.timeout() == 20
+    watch.update([Heartbeat(0, 1, 0.0, 3.0, True)])  # a 3 s step: 30 s
+    assert watch.timeout() == 30
+    watch.update([Heartbeat(0, 2, 0.0, 50.0, True)])  # a 50 s step would make it 500 s
+    assert watch.timeout() == 90
