@@ -38,8 +38,9 @@ def connect_store(host: str, port: int, world_size: int, timeout_s: float) -> di
     )
 
 
-def pick_device(use_gpu: bool) -> torch.device:
-    """The GPU Ray assigned (it sets CUDA_VISIBLE_DEVICES, so it is local index 0) or the CPU."""
+def pick_device(use_gpu: bool, index: int = 0) -> torch.device:
+    """The rank's GPU, ``index`` into the devices this process sees (see :func:`share_gpus`), or the CPU.
+    Makes it the calling thread's current device (CUDA keeps one per thread: see :func:`bind_thread`)."""
     if not use_gpu:
         return torch.device("cpu")
     if not torch.cuda.is_available():
@@ -47,8 +48,48 @@ def pick_device(use_gpu: bool) -> torch.device:
             "scaling.use_gpu=true but this worker sees no CUDA device "
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
         )
-    torch.cuda.set_device(0)
-    return torch.device("cuda", 0)
+    if index >= torch.cuda.device_count():
+        raise RuntimeError(
+            f"this rank's GPU is device {index} of CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}, but the process sees {torch.cuda.device_count()}"
+        )
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def bind_thread(device: torch.device | None) -> None:
+    """Make ``device`` the calling thread's current CUDA device. CUDA's current device is per thread and
+    starts at 0; a Ray actor runs its methods on a pool of threads, so every method that does CUDA work
+    calls this first (else a rank with device 3 would allocate on device 0, another rank's GPU)."""
+    if device is not None and device.type == "cuda" and torch.cuda.current_device() != device.index:
+        torch.cuda.set_device(device)
+
+
+def share_gpus(placements: list[tuple[str, list[str]]]) -> list[tuple[str, int]]:
+    """Per rank: the ``CUDA_VISIBLE_DEVICES`` it should run with and its own GPU's index in that list.
+
+    ``placements[rank]`` is (node id, the GPU ids Ray assigned the rank). Every rank on a node sees the ids
+    of all the group's GPUs on that node (sorted: numerically when they are numbers), so NCCL sees the
+    node's topology (P2P/NVLink between the ranks there) instead of one isolated device per process; each
+    rank selects its own GPU by its id's position. What Ray Train does for its workers too. Two ranks of
+    one node holding the same GPU is an error (NCCL would stop with "Duplicate GPU detected")."""
+    by_node: dict[str, set[str]] = {}
+    for rank, (node, ids) in enumerate(placements):
+        if not ids:
+            raise ValueError(f"rank {rank} was assigned no GPU on node {node[:12]}")
+        mine = by_node.setdefault(node, set())
+        taken = mine.intersection(ids)
+        if taken:
+            raise ValueError(
+                f"rank {rank} holds GPU {sorted(taken)} of node {node[:12]}, as another rank does"
+            )
+        mine.update(ids)
+    lists = {node: sorted(ids, key=_gpu_key) for node, ids in by_node.items()}
+    return [(",".join(lists[node]), lists[node].index(ids[0])) for node, ids in placements]
+
+
+def _gpu_key(gpu_id: str) -> tuple[int, int, str]:
+    return (0, int(gpu_id), "") if gpu_id.isdigit() else (1, 0, gpu_id)
 
 
 def init_process_group(

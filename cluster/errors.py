@@ -74,3 +74,16 @@ class Failure:
     rank: int | None
     message: str
     error: WorkerError | None = None
+
+
+def device_broken(error: WorkerError | None) -> bool:
+    """Whether a rank's raised error may have left its CUDA context unusable, so that its process must be
+    replaced, not reused for a warm restart: a CUDA error (a device-side assert is sticky: every later CUDA
+    call in the process fails) or an error we know nothing about. A plain Python error in user code, or an
+    out-of-memory error (the allocation failed; the context is fine), leaves the process reusable."""
+    if error is None:
+        return True
+    text = f"{error.exc_type}: {error.message}"
+    return error.exc_type in ("AcceleratorError", "CudaError") or any(
+        marker in text for marker in ("CUDA error", "CUDA kernel errors", "device-side assert", "cuDNN error")
+    )

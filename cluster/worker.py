@@ -15,6 +15,7 @@ the same world size.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import signal
@@ -261,6 +262,7 @@ class Worker:
         self._inputs: InputPipeline | None = None
         self._stop = _StopRequest()
         self._last_checkpoint = -1  # the step of rank 0's newest checkpoint in this process
+        self.gpu_index = 0  # this rank's GPU among the visible ones (``use_gpus``)
         self.faults = self._faults()
         self.allocator = tune_process(cfg)  # before the process group and task make their threads
 
@@ -296,6 +298,17 @@ class Worker:
         return self._inputs
 
     # ----------------------------------------------------------------- setup
+    def use_gpus(self, visible: str, index: int) -> str:
+        """See the GPUs ``visible`` (``CUDA_VISIBLE_DEVICES``, every GPU of the group on this node) and
+        train on the ``index``-th (``cluster.dist.share_gpus``). Only before CUDA starts in this process: a
+        survivor of a failure keeps the devices it started with (its own GPU's index in them is unchanged).
+        Returns the list in effect."""
+        if torch.cuda.is_initialized():
+            return os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        self.gpu_index = index
+        return visible
+
     def bind_store(self) -> int:
         """Rank 0 only: bind the rendezvous store; return its port (the caller publishes host:port)."""
         self._store, port = cdist.bind_store(self.world_size, self.cfg.failures.process_group_timeout_s)
@@ -321,7 +334,7 @@ class Worker:
             kept = None
         if os.environ.get(PROBE_ENV):  # set by the driver: prove this node sees the driver's storage
             check_probe(Storage(self.run_url, cfg.storage.options), os.environ[PROBE_ENV])
-        device = cdist.pick_device(cfg.scaling.use_gpu)
+        device = cdist.pick_device(cfg.scaling.use_gpu, self.gpu_index)
         store = self._store  # rank 0's own, or the connection ``connect`` made
         if store is None:
             store = cdist.connect_store(host, port, self.world_size, cfg.failures.process_group_timeout_s)
@@ -413,7 +426,7 @@ class Worker:
             device_ids=[device.index] if device.type == "cuda" else None,
             find_unused_parameters=self.cfg.training.fixed_buckets,  # see TrainingConfig.fixed_buckets
             gradient_as_bucket_view=True,
-            forward_sync_buffers=any(True for _ in raw_model.buffers()),
+            **_buffer_sync(any(True for _ in raw_model.buffers())),
         )
         if self.cfg.training.compile:
             model.compile()
@@ -500,6 +513,7 @@ class Worker:
         position in memory, take rank ``rank`` of the next group, and report what it holds. None when it
         holds no session (it never finished setup)."""
         s = self.session
+        cdist.bind_thread(s.device if s is not None else None)
         self._leave_group()
         if s is None:
             self.reset(rank, world_size, attempt)
@@ -626,7 +640,9 @@ class Worker:
         if self._stop.dispatch != dispatch:
             self._stop = _StopRequest()  # a request for an earlier call
         try:
-            return self._run_epoch(self._session(), epoch, start_step, dispatch)
+            session = self._session()
+            cdist.bind_thread(session.device)  # Ray may run this call on another thread than setup's
+            return self._run_epoch(session, epoch, start_step, dispatch)
         except WorkerError as exc:
             err = exc.with_traceback(None)
         except Exception as exc:
@@ -896,6 +912,7 @@ class Worker:
         writer = self.session.writer if self.session is not None else None
         if writer is None:
             return []
+        cdist.bind_thread(self.session.device if self.session is not None else None)
         writer.close(flush=True)
         return writer.drain()
 
@@ -929,6 +946,14 @@ class Worker:
         self._max_step_time = 0.0
         self._last_step_at = time.time()
         self.faults = self._faults()
+
+
+def _buffer_sync(sync: bool) -> dict[str, Any]:
+    """DDP's switch for broadcasting buffers before each forward: ``forward_sync_buffers`` since torch 2.13,
+    ``broadcast_buffers`` (deprecated there) before it, where a GPU machine's torch may still be."""
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
+        return {"forward_sync_buffers": sync}
+    return {"broadcast_buffers": sync}
 
 
 def _unsendable(optimizer: torch.optim.Optimizer) -> str:

@@ -28,7 +28,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.checkpoint import CommitRecord
 from cluster.config import JobConfig
-from cluster.errors import ConfigError, Failure, ResourcesUnavailableError, WorkerError
+from cluster.dist import share_gpus
+from cluster.errors import ConfigError, Failure, ResourcesUnavailableError, WorkerError, device_broken
 from cluster.group import Salvage
 from cluster.peer import PeerPlan, PeerState
 from cluster.preemption import DrainNotice, draining_nodes
@@ -49,6 +50,12 @@ class _WorkerActor:
 
     def code(self) -> tuple[str, str]:
         return code_fingerprint()
+
+    def gpu_ids(self) -> list[str]:
+        return [str(i) for i in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])]
+
+    def use_gpus(self, visible: str, index: int) -> str:
+        return self.worker.use_gpus(visible, index)
 
     def bind_store(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), self.worker.bind_store()
@@ -173,6 +180,8 @@ class RayWorkerGroup:
         timeout = self.cfg.failures.process_group_timeout_s
         self.nodes = self._get([a.node.remote() for a in self.actors], timeout)
         _check_same_code(self._get([a.code.remote() for a in self.actors], timeout), self.nodes)
+        if self.cfg.scaling.use_gpu:
+            self._share_gpus(timeout)
         host, port = self._get([self.actors[0].bind_store.remote()], timeout)[0]
         for wave in connect_waves(world_size):
             self._get([self.actors[r].connect.remote(host, port) for r in wave], timeout)
@@ -181,6 +190,16 @@ class RayWorkerGroup:
             info.node_id = node_id
         self._start_spare(cls)
         return infos
+
+    def _share_gpus(self, timeout: float) -> None:
+        """Each rank sees every GPU the group holds on its node and selects its own (see
+        ``cluster.dist.share_gpus``), before any of them starts CUDA."""
+        ids = self._get([a.gpu_ids.remote() for a in self.actors], timeout)
+        try:
+            shared = share_gpus([(node, gpus) for (node, _), gpus in zip(self.nodes, ids)])
+        except ValueError as exc:
+            raise ResourcesUnavailableError(f"Ray's GPU assignment cannot be used: {exc}") from None
+        self._get([a.use_gpus.remote(v, i) for a, (v, i) in zip(self.actors, shared)], timeout)
 
     def _new_actor(
         self, cls: Any, rank: int, world_size: int, slot: tuple[PlacementGroup, int], what: str
@@ -481,8 +500,10 @@ class RayWorkerGroup:
             # one incident: every rank of every lost node went with it, however many that is
             lost_nodes = {n for n in {n for n, _ in self.nodes} if self._node_dead(n)}
             dead |= {r for r, (n, _) in enumerate(self.nodes) if n in lost_nodes}
-        if failure.rank is not None and (failure.kind == "worker_died" or self.cfg.scaling.use_gpu):
-            dead.add(failure.rank)  # on a GPU the raising rank's CUDA context may be broken: never reused
+        if failure.rank is not None and (
+            failure.kind == "worker_died" or (self.cfg.scaling.use_gpu and device_broken(failure.error))
+        ):
+            dead.add(failure.rank)  # a CUDA error may be sticky (a device-side assert): that process goes
         for r in dead:
             _kill(self.actors[r], f"rank {r}")  # a dead process's sockets close: its peers' collectives fail
         alive = [r for r in range(len(self.actors)) if r not in dead]

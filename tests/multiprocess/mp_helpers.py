@@ -43,9 +43,9 @@ def _entry(
 ) -> None:
     try:
         os.environ["OMP_NUM_THREADS"] = "1"
-        if gpus:  # one GPU per rank, as Ray gives each worker (the worker takes the first visible device)
-            os.environ["CUDA_VISIBLE_DEVICES"] = gpus[rank]
         worker = Worker(cfg, rank, world, run_url, attempt)
+        if gpus:  # one GPU per rank; every rank sees all of them, as the Ray path arranges (share_gpus)
+            worker.use_gpus(",".join(gpus), rank)
         if rank == 0:
             port = worker.bind_store()
             for _ in range(world - 1):
