@@ -81,13 +81,14 @@ class TrainingConfig:
     """Keep DDP's first gradient-bucket layout all run, so a resume is bitwise exact beyond 2 ranks
     (docs/performance.md). ``false``: DDP's default."""
     sync_batchnorm: bool = False
-    """BatchNorm layers become ``SyncBatchNorm`` (global-batch statistics). GPU jobs only (torch's needs
-    CUDA)."""
+    """BatchNorm layers become ``SyncBatchNorm`` (global-batch statistics). GPU jobs only."""
+    zero: bool = False
+    """Shard optimizer state across ranks (``ZeroRedundancyOptimizer``); checkpoints hold it whole."""
     compile: bool = False
     """``torch.compile`` the DDP model; checkpoints hold plain weights. CPU jobs need a C++ compiler."""
     deterministic: bool = False
     """Deterministic torch ops and ``CUBLAS_WORKSPACE_CONFIG=:4096:8``: a resumed GPU run is bitwise an
-    uninterrupted one (CPU runs are without it). Slower."""
+    uninterrupted one (CPU: always). Slower."""
     loader_workers: int = 0
     """Processes per worker preparing batches ahead (dataset must pickle); 0: none."""
     prefetch: int = 2
@@ -143,8 +144,8 @@ class FailureConfig:
     warm_restart: bool = True
     """After a failure, keep the healthy workers' processes and replace only the lost ones."""
     hot_spare: bool | Literal["auto"] = "auto"
-    """CPU jobs: one idle, prepared process that replaces a dead worker at once. ``auto``: only where a
-    node has a free CPU share (docs/failures.md)."""
+    """CPU jobs: an idle, prepared process that replaces a dead worker at once. ``auto``: where a node has
+    a free CPU share."""
     recover_from_peers: bool = True
     """A survivor sends its in-memory state to a replacement: at most one step lost, no storage read; else
     the latest checkpoint (docs/failures.md)."""

@@ -261,7 +261,7 @@ class Worker:
         self._dataset: Any = None
         self._inputs: InputPipeline | None = None
         self._stop = _StopRequest()
-        self._last_checkpoint = -1  # the step of rank 0's newest checkpoint in this process
+        self._last_checkpoint = -1  # the step of the newest checkpoint in this process (rank 0 wrote it)
         self.gpu_index = 0  # this rank's GPU among the visible ones (``use_gpus``)
         self.faults = self._faults()
         self.allocator = tune_process(cfg)  # before the process group and task make their threads
@@ -371,7 +371,7 @@ class Worker:
         skipped: list[tuple[int, str]] = []
         if peers is not None:
             if kept is None:
-                optimizer = task.build_optimizer(raw_model)
+                optimizer = self._build_optimizer(raw_model)
                 scheduler = task.build_scheduler(optimizer, sampler.steps_per_epoch * cfg.training.epochs)
             resume = self._receive(peers, device, raw_model, optimizer, scheduler)
             t["peer_transfer"] = time.time()
@@ -379,7 +379,7 @@ class Worker:
             t["ddp"] = time.time()
         else:
             model = self._ddp(raw_model, device)
-            optimizer = task.build_optimizer(raw_model)
+            optimizer = self._build_optimizer(raw_model)
             scheduler = task.build_scheduler(optimizer, sampler.steps_per_epoch * cfg.training.epochs)
             t["ddp"] = time.time()
             resume, skipped = self._resume(ckpt_store, raw_model, optimizer, scheduler)
@@ -413,6 +413,21 @@ class Worker:
             device, backend, model, raw_model, optimizer, scheduler, sampler, ckpt_store, writer, info
         )
         return self.session
+
+    def _build_optimizer(self, raw_model: nn.Module) -> torch.optim.Optimizer:
+        """The task's optimizer; with training.zero a ``ZeroRedundancyOptimizer`` of the same class, param
+        groups and settings, each rank holding the state of its share of the parameters only."""
+        optimizer = self.task.build_optimizer(raw_model)
+        if not self.cfg.training.zero:
+            return optimizer
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        cls = type(optimizer)
+        accepted = inspect.signature(cls.__init__).parameters
+        # ``defaults`` may hold settings the class sets itself (AdamW: decoupled_weight_decay)
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        groups = [dict(g) for g in optimizer.param_groups]
+        return ZeroRedundancyOptimizer(groups, optimizer_class=cls, **defaults)
 
     def _ddp(self, raw_model: nn.Module, device: torch.device) -> DDP:
         """Wrap for training. ``gradient_as_bucket_view``: after backward the gradients are views into DDP's
@@ -518,7 +533,10 @@ class Worker:
         if s is None:
             self.reset(rank, world_size, attempt)
             return None
-        state = self.train_state(s)  # at an epoch's end this points at the next epoch
+        unsendable = _unsendable(s.optimizer)
+        # at an epoch's end the position points at the next epoch; a sharded optimizer's state is not
+        # asked for (it would take a collective on the failed group), and is not sent
+        state = self.train_state(s, with_optimizer=not unsendable)
         self.epoch, self.step_in_epoch = state.epoch, state.step_in_epoch
         s.optimizer.zero_grad(set_to_none=True)  # gradients of a step that did not complete
         self.session = None
@@ -538,7 +556,7 @@ class Worker:
             step_in_epoch=state.step_in_epoch,
             digest=digest,
             nbytes=nbytes,
-            unsendable=_unsendable(s.optimizer),
+            unsendable=unsendable,
         )
 
     def abort(self) -> bool:
@@ -838,8 +856,9 @@ class Worker:
         )
         return last or by_steps or (bool(every) and (epoch + 1) % every == 0)
 
-    def train_state(self, s: TrainSession) -> TrainState:
-        """The train state at this point; at an epoch's end it points at the start of the next epoch."""
+    def train_state(self, s: TrainSession, with_optimizer: bool = True) -> TrainState:
+        """The train state at this point; at an epoch's end it points at the start of the next epoch.
+        With a sharded optimizer (training.zero), every rank calls ``consolidate_state_dict`` first."""
         at_end = self.step_in_epoch == s.sampler.steps_per_epoch
         epoch, step_in_epoch = (self.epoch + 1, 0) if at_end else (self.epoch, self.step_in_epoch)
         return TrainState(
@@ -848,18 +867,21 @@ class Worker:
             step_in_epoch=step_in_epoch,
             world_size=self.world_size,
             seed=self.cfg.training.seed,
-            optimizer=s.optimizer.state_dict(),
+            optimizer=s.optimizer.state_dict() if with_optimizer else {},
             scheduler=s.scheduler.state_dict() if s.scheduler is not None else None,
             sampler_order=self.sampler_order,
         )
 
     def _checkpoint(self, s: TrainSession) -> float:
-        """Rank 0 hands state to the writer (a host copy; the upload runs in the background)."""
+        """Every rank at the same step; rank 0 hands state to the writer (a host copy; the upload runs in the
+        background). A sharded optimizer's state is gathered on rank 0 first (a collective)."""
+        self._last_checkpoint = self.global_step
+        if _is_zero(s.optimizer):
+            s.optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]
         if s.writer is None:
             return 0.0
         state = self.train_state(s)
         meta = {"world_size": self.world_size, "step_in_epoch": state.step_in_epoch, "attempt": self.attempt}
-        self._last_checkpoint = self.global_step
         stall = s.writer.save(
             self.global_step,
             state.epoch,
@@ -956,10 +978,14 @@ def _buffer_sync(sync: bool) -> dict[str, Any]:
     return {"broadcast_buffers": sync}
 
 
+def _is_zero(optimizer: torch.optim.Optimizer) -> bool:
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")  # no import (0.4 s)
+    return zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer)
+
+
 def _unsendable(optimizer: torch.optim.Optimizer) -> str:
     """Why one rank's optimizer state is not the whole state (so peers cannot send it); "" when it is."""
-    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")  # no import (0.4 s)
-    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+    if _is_zero(optimizer):
         return "ZeroRedundancyOptimizer shards the optimizer state across ranks"
     return ""
 

@@ -64,6 +64,8 @@ def _entry(
             result["epochs"].append((r.epoch, r.global_step, r.loss))
         worker.finish()
         result["params"] = {k: v.detach().clone() for k, v in session.raw_model.state_dict().items()}
+        local = getattr(session.optimizer, "optim", session.optimizer)  # a ZeroRedundancyOptimizer's own
+        result["optimizer"] = (type(session.optimizer).__name__, len(local.state))
         torch.save(result, f"{out}/rank{rank}.pt")
         worker.shutdown()
     except BaseException:
