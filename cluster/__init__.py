@@ -26,6 +26,7 @@ from cluster.errors import (
     WorkerError,
 )
 from cluster.load import Checkpoint, load_checkpoint, load_model
+from cluster.parquet import ParquetDataset
 from cluster.task import Task
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "FailurePolicy",
     "FaultSpec",
     "JobConfig",
+    "ParquetDataset",
     "ResourcesUnavailableError",
     "Result",
     "ResumableDistributedSampler",

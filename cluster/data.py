@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import pickle
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -82,6 +82,7 @@ class ResumableDistributedSampler(Sampler[torch.Tensor]):
         seed: int = 0,
         max_steps_per_epoch: int | None = None,
         order: int = TORCH_ORDER,
+        permutation: Callable[[int], Any] | None = None,
     ) -> None:
         if num_samples < global_batch_size:
             raise ConfigError(
@@ -95,9 +96,12 @@ class ResumableDistributedSampler(Sampler[torch.Tensor]):
         self.seed = seed
         self.order = order
         self.max_steps_per_epoch = max_steps_per_epoch
+        self.permutation = permutation
+        """The epoch's order given its seed, for datasets that choose it (``ParquetDataset.permutation``: read
+        in row-group windows); default ``randperm``. Anything sliced like a 1-D index tensor."""
         self.epoch = 0
         self.start_step = 0
-        self._perm: torch.Tensor | None = None
+        self._perm: Any = None
         self._perm_key: tuple[int, int] | None = None  # (epoch, order) of _perm
 
     @property
@@ -111,9 +115,13 @@ class ResumableDistributedSampler(Sampler[torch.Tensor]):
         if not 0 <= start_step <= self.steps_per_epoch:
             raise ValueError(f"start_step={start_step} outside 0..{self.steps_per_epoch}")
         if self._perm is None or self._perm_key != (epoch, self.order):
-            g = torch.Generator()
-            g.manual_seed(epoch_seed(self.seed, epoch, self.order))
-            self._perm = torch.randperm(self.num_samples, generator=g)
+            seed = epoch_seed(self.seed, epoch, self.order)
+            if self.permutation is not None:
+                self._perm = self.permutation(seed)
+            else:
+                g = torch.Generator()
+                g.manual_seed(seed)
+                self._perm = torch.randperm(self.num_samples, generator=g)
             self._perm_key = (epoch, self.order)
         self.epoch = epoch
         self.start_step = start_step

@@ -363,6 +363,7 @@ class Worker:
             self.world_size,
             seed=cfg.training.seed,
             max_steps_per_epoch=cfg.training.max_steps_per_epoch,
+            permutation=getattr(dataset, "permutation", None),  # e.g. ParquetDataset's windowed order
         )
         ckpt_store = CheckpointStore(Storage(self.run_url, cfg.storage.options))
         crash_steps = {f.step for f in self.faults if f.kind == "crash_in_checkpoint"}

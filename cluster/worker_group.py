@@ -709,6 +709,7 @@ _TRAINING_MODULES = (
     "dist.py",
     "errors.py",
     "group.py",
+    "parquet.py",
     "peer.py",
     "preemption.py",
     "process.py",

@@ -24,7 +24,13 @@ def make_table(rows: int, features: int = 16, classes: int = 4, seed: int = 0) -
     return pa.table(cols)
 
 
-def write(out: str, rows: int, files: int = 2, storage_options: dict | None = None) -> None:
+def write(
+    out: str,
+    rows: int,
+    files: int = 2,
+    storage_options: dict | None = None,
+    row_group_rows: int | None = None,
+) -> None:
     import fsspec
 
     fs, path = fsspec.core.url_to_fs(out, **(storage_options or {}))
@@ -33,7 +39,7 @@ def write(out: str, rows: int, files: int = 2, storage_options: dict | None = No
     per = -(-rows // files)
     for i in range(files):
         with fs.open(f"{path.rstrip('/')}/part-{i:03d}.parquet", "wb") as fh:
-            pq.write_table(table.slice(i * per, per), fh)
+            pq.write_table(table.slice(i * per, per), fh, row_group_size=row_group_rows)
 
 
 def main() -> None:
@@ -41,8 +47,9 @@ def main() -> None:
     p.add_argument("--out", required=True, help="folder or URL to write part-*.parquet into")
     p.add_argument("--rows", type=int, default=20000)
     p.add_argument("--files", type=int, default=2)
+    p.add_argument("--row-group-rows", type=int, help="rows per Parquet row group (default: pyarrow's)")
     args = p.parse_args()
-    write(args.out, args.rows, args.files)
+    write(args.out, args.rows, args.files, row_group_rows=args.row_group_rows)
     print(f"wrote {args.rows} rows to {args.out}")
 
 

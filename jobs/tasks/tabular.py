@@ -1,6 +1,7 @@
 """An MLP classifier over a Parquet dataset read with pyarrow through fsspec (local folder or s3://).
 
-Write a dataset first: ``python -m jobs.make_tabular --out ./data/tabular``.
+Write a dataset first: ``python -m jobs.make_tabular --out ./data/tabular``. With ``task_args.cache_mb``
+the dataset is read lazily (``cluster.ParquetDataset``: larger than memory, row groups on demand).
 """
 
 from __future__ import annotations
@@ -10,17 +11,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from cluster import Task, TensorBatchDataset, read_parquet
+from cluster.data import TensorBatchDataset, read_parquet
+from cluster.parquet import ParquetDataset
+from cluster.task import Task
 
 
 class TabularTask(Task):
     """task_args: dataset (URL, required), features (list of column names, default f0..f15),
-    label ("label"), num_classes (4), hidden (128), lr (1e-3), storage_options ({})."""
+    label ("label"), num_classes (4), hidden (128), lr (1e-3), storage_options ({}); cache_mb (read
+    lazily within this many MiB of decoded rows; default: read it all into memory) and window (row groups
+    shuffled together, 4)."""
 
     def __init__(self, **args: Any) -> None:
         super().__init__(**args)
         if "dataset" not in args:
-            from cluster import ConfigError
+            from cluster.errors import ConfigError
 
             raise ConfigError("task_args.dataset is required: the URL of a Parquet file, folder or glob")
         self.features = list(args.get("features", [f"f{i}" for i in range(16)]))
@@ -37,14 +42,23 @@ class TabularTask(Task):
             nn.Linear(h, self.num_classes),
         )
 
-    def build_train_dataset(self) -> TensorBatchDataset:
+    def build_train_dataset(self) -> TensorBatchDataset | FeaturesAndLabel:
+        if self.args.get("cache_mb") is not None:
+            return FeaturesAndLabel(
+                str(self.args["dataset"]),
+                self.features,
+                self.label,
+                self.args.get("storage_options") or {},
+                window=int(self.args.get("window", 4)),
+                cache_mb=float(self.args["cache_mb"]),
+            )
         cols = read_parquet(
             str(self.args["dataset"]), [*self.features, self.label], self.args.get("storage_options") or {}
         )
         x = torch.stack([torch.as_tensor(cols[f], dtype=torch.float32) for f in self.features], dim=1)
         y = torch.as_tensor(cols[self.label]).long()
         if int(y.min()) < 0 or int(y.max()) >= self.num_classes:
-            from cluster import ConfigError
+            from cluster.errors import ConfigError
 
             raise ConfigError(
                 f"label column {self.label!r} has values {int(y.min())}..{int(y.max())}, outside "
@@ -57,3 +71,25 @@ class TabularTask(Task):
         logits = model(x)
         accuracy = (logits.argmax(dim=-1) == y).float().mean().detach()  # a tensor: no device sync per step
         return nn.functional.cross_entropy(logits.float(), y), {"acc": accuracy}
+
+
+class FeaturesAndLabel(ParquetDataset):
+    """A lazy Parquet dataset whose batches are ``(features stacked as float32 [n, F], label as int64)``.
+    Labels outside ``0..num_classes-1`` surface at the step that reads them (cross_entropy raises)."""
+
+    def __init__(
+        self,
+        url: str,
+        features: list[str],
+        label: str,
+        storage_options: dict[str, Any],
+        window: int,
+        cache_mb: float,
+    ) -> None:
+        dtypes = {**dict.fromkeys(features, "float32"), label: "int64"}
+        super().__init__(url, [*features, label], storage_options, dtypes, window, cache_mb)
+        self.n_features = len(features)
+
+    def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        cols = super().get_batch(indices)
+        return torch.stack(cols[: self.n_features], dim=1), cols[self.n_features]

@@ -65,9 +65,14 @@ def test_tiny_job_on_s3_then_resume_from_s3(
 
 
 @pytest.mark.timeout(240)
-def test_tabular_task_reads_parquet_from_s3(ray_local: None, tmp_path: Any, moto_s3: MotoS3) -> None:
+@pytest.mark.parametrize("lazy", [False, True], ids=["in-memory", "lazy"])
+def test_tabular_task_reads_parquet_from_s3(
+    ray_local: None, tmp_path: Any, moto_s3: MotoS3, lazy: bool
+) -> None:
     data = moto_s3.url("data/tabular")
-    write(data, rows=2000, files=2, storage_options=moto_s3.options)
+    write(data, rows=2000, files=2, storage_options=moto_s3.options, row_group_rows=125 if lazy else None)
+    # lazy: ParquetDataset, 16 row groups read from S3 on demand, shuffled in windows of 2
+    extra = ["task_args.cache_mb=0.1", "task_args.window=2"] if lazy else []
     cfg = load_config(
         "jobs/configs/tabular_cpu.yaml",
         [
@@ -77,6 +82,7 @@ def test_tabular_task_reads_parquet_from_s3(ray_local: None, tmp_path: Any, moto
             "task_args.hidden=32",
             "task_args.lr=0.01",
             "training.log_every_steps=1",
+            *extra,
         ],
     )
     cfg.task_args["storage_options"] = moto_s3.options
@@ -143,3 +149,33 @@ def test_storage_only_visible_to_driver_fails_with_clear_error(
     with pytest.raises(Exception, match=r"storage.url=.* is not visible from node .*shared mount"):
         train(cfg)
     assert not os.path.exists(f"{tmp_path}/runs/probe/checkpoints")
+
+
+@pytest.mark.timeout(120)
+def test_a_lazy_dataset_with_schema_drift_fails_before_training(ray_local: None, tmp_path: Any) -> None:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from cluster import ConfigError
+
+    data = f"{tmp_path}/drift"
+    write(data, rows=400, files=2)
+    drifted = pq.read_table(f"{data}/part-001.parquet")
+    drifted = drifted.set_column(0, "f0", pa.array(np.zeros(drifted.num_rows, dtype=np.int32)))
+    pq.write_table(drifted, f"{data}/part-001.parquet")
+    cfg = load_config(
+        "jobs/configs/tabular_cpu.yaml",
+        [f"storage={tmp_path}/runs", f"task_args.dataset={data}", "task_args.cache_mb=16"],
+    )
+    with pytest.raises(
+        ConfigError, match=r"column 'f0' is float.* in .*part-000.parquet but int32 in .*part-001"
+    ) as e:
+        train(cfg)
+    assert "Traceback" not in str(e.value)
+    started = [
+        e
+        for e in read_events(Storage(f"{tmp_path}/runs/tabular-cpu"))
+        if e["event"] in ("group_started", "epoch_end")
+    ]
+    assert not started  # no rank got past set-up
