@@ -307,23 +307,11 @@ def read_parquet(
     import pyarrow.dataset as pads
     import pyarrow.types as pat
 
-    from cluster.storage import redact, url_to_fs
+    from cluster.parquet import list_parquet_files
+    from cluster.storage import redact
 
     opts = storage_options or {}
-    try:
-        fs, path = url_to_fs(url, **opts)
-        if any(ch in path for ch in "*?["):
-            files = sorted(fs.glob(path))
-        elif fs.isdir(path):
-            files = sorted(p for p in fs.find(path) if p.endswith(".parquet"))
-        else:
-            files = [path] if fs.exists(path) else []
-    except Exception as exc:
-        raise ConfigError(f"cannot read dataset {url!r}: {redact(str(exc), opts)}") from None
-    if not files:
-        raise ConfigError(
-            f"dataset {url!r} has no Parquet files; write one first (python -m jobs.make_tabular)"
-        )
+    fs, files = list_parquet_files(url, opts)
     try:
         dataset = pads.dataset(files, filesystem=fs, format="parquet")
     except Exception as exc:  # pyarrow.ArrowInvalid: not Parquet, or truncated

@@ -113,7 +113,7 @@ class ParquetDataset(Dataset[tuple[torch.Tensor, ...]]):
         self.options = dict(storage_options or {})
         self.window = window
         self.cache_bytes = int(cache_mb * (1 << 20))
-        self.files = _list_files(url, self.options)
+        _, self.files = list_parquet_files(url, self.options)
         self._fs: Any = None
         self._open: OrderedDict[int, Any] = OrderedDict()
         self._rows: OrderedDict[int, tuple[dict[str, np.ndarray], int]] = OrderedDict()
@@ -269,7 +269,9 @@ class ParquetDataset(Dataset[tuple[torch.Tensor, ...]]):
         return tuple(t[0] for t in self.get_batch(torch.tensor([int(i)])))
 
 
-def _list_files(url: str, options: dict[str, Any]) -> list[str]:
+def list_parquet_files(url: str, options: dict[str, Any]) -> tuple[Any, list[str]]:
+    """(filesystem, sorted paths) of the Parquet files at ``url``: a file, a folder (its ``*.parquet``,
+    recursively) or a glob. ConfigError when there are none or the URL cannot be read."""
     from cluster.storage import redact, url_to_fs
 
     try:
@@ -286,4 +288,4 @@ def _list_files(url: str, options: dict[str, Any]) -> list[str]:
         raise ConfigError(
             f"dataset {url!r} has no Parquet files; write one first (python -m jobs.make_tabular)"
         )
-    return list(files)
+    return fs, list(files)

@@ -6,53 +6,22 @@ when a node is added. An id audit shows every sample of each epoch trained exact
 from __future__ import annotations
 
 import io
-import json
 import os
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from cluster import load_config, train
-from cluster.inspect import read_events
-from cluster.storage import Storage
 from tests.audit_task import audit
-from tests.conftest import REPO
+from tests.cluster.conftest import events, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 B, SAMPLES, EPOCHS = 32, 512, 3
 STEPS = SAMPLES // B
-
-
-@pytest.fixture
-def ray_cluster() -> Iterator[Any]:
-    import ray
-    from ray.cluster_utils import Cluster
-
-    temp = tempfile.mkdtemp(prefix="rc", dir="/tmp")
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 0,
-            "include_dashboard": False,
-            "temp_dir": temp,
-            "_system_config": {
-                "health_check_period_ms": 1000,
-                "health_check_timeout_ms": 1000,
-                "health_check_failure_threshold": 3,
-            },
-        },
-    )
-    try:
-        ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": REPO}}, log_to_driver=False)
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def add_trainer_node(cluster: Any) -> Any:
@@ -75,22 +44,6 @@ def job(tmp: str, name: str, *extra: str) -> list[str]:
         "failures.hang_timeout_floor_s=60",
         *extra,
     ]
-
-
-def events(run_url: str, kind: str) -> list[dict]:
-    return [e for e in read_events(Storage(run_url)) if e["event"] == kind]
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if cond():
-                return
-        except (FileNotFoundError, json.JSONDecodeError):
-            pass
-        time.sleep(0.05)
-    raise TimeoutError("condition not reached")
 
 
 def when(cond: Callable[[], bool], action: Callable[[], None]) -> threading.Thread:

@@ -5,53 +5,23 @@ its deadline. The ranks on it must be gone by then, with nothing lost."""
 from __future__ import annotations
 
 import io
-import json
 import os
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 from cluster import load_checkpoint, load_config, train
-from cluster.inspect import format_show, read_events, report
+from cluster.inspect import format_show, report
 from cluster.storage import Storage
 from tests.audit_task import audit
-from tests.conftest import REPO
+from tests.cluster.conftest import events, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 B, SAMPLES, EPOCHS = 32, 512, 6
 STEPS = SAMPLES // B
-
-
-@pytest.fixture
-def ray_cluster() -> Iterator[Any]:
-    import ray
-    from ray.cluster_utils import Cluster
-
-    temp = tempfile.mkdtemp(prefix="rp", dir="/tmp")
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 0,
-            "include_dashboard": False,
-            "temp_dir": temp,
-            "_system_config": {
-                "health_check_period_ms": 1000,
-                "health_check_timeout_ms": 1000,
-                "health_check_failure_threshold": 3,
-            },
-        },
-    )
-    try:
-        ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": REPO}}, log_to_driver=False)
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def add_nodes(cluster: Any, n: int) -> None:
@@ -77,22 +47,6 @@ def job(tmp: str, name: str, *extra: str) -> list[str]:
         "failures.hang_timeout_floor_s=60",
         *extra,
     ]
-
-
-def events(run_url: str, kind: str) -> list[dict]:
-    return [e for e in read_events(Storage(run_url)) if e["event"] == kind]
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if cond():
-                return
-        except (FileNotFoundError, json.JSONDecodeError, IndexError):
-            pass
-        time.sleep(0.05)
-    raise TimeoutError("condition not reached")
 
 
 def in_background(tmp: str, name: str, *extra: str) -> tuple[threading.Thread, dict[str, Any]]:

@@ -1,0 +1,69 @@
+"""Shared by the multi-node tests on one machine: a real Ray of several nodes (ray.cluster_utils.Cluster,
+fast health checks), and the helpers that read a run's events and wait on them."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from cluster.inspect import read_events
+from cluster.storage import Storage
+from tests.conftest import REPO
+
+
+@pytest.fixture
+def ray_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A head with no CPUs (nothing trains there) that marks a node dead within about 3 s of its last
+    health check; the test adds the nodes it needs. Shut down after the test."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    temp = tempfile.mkdtemp(prefix="rc", dir="/tmp")
+    # Cluster writes the head's address to <RAY_TMPDIR or /tmp>/ray/ray_current_cluster, and fails where
+    # that folder does not exist (a fresh machine): give it the test's own
+    monkeypatch.setenv("RAY_TMPDIR", temp)
+    os.makedirs(os.path.join(temp, "ray"), exist_ok=True)
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 0,
+            "include_dashboard": False,
+            "temp_dir": temp,
+            "_system_config": {
+                "health_check_period_ms": 1000,
+                "health_check_timeout_ms": 1000,
+                "health_check_failure_threshold": 3,
+            },
+        },
+    )
+    try:
+        ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": REPO}}, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def events(run_url: str, kind: str) -> list[dict]:
+    return [e for e in read_events(Storage(run_url)) if e["event"] == kind]
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 120) -> None:
+    """Poll ``cond`` until it holds; a run's files that are not there yet (or half-written) count as not."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if cond():
+                return
+        except (FileNotFoundError, json.JSONDecodeError, IndexError):
+            pass
+        time.sleep(0.05)
+    raise TimeoutError("condition not reached")
