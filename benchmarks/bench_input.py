@@ -6,7 +6,7 @@
 Workload (identical in every arm): ``ImageTask``, a map-style dataset of synthetic 3x36x36 images made on the
 fly from the sample index (no ``get_batch``: one ``__getitem__`` per sample, collated), each decoded and
 augmented (random 32x32 crop, flip, then ``decode_rounds`` 3x3 blurs: a fixed per-sample CPU cost); a small
-CNN (two convolutions, a linear head), SGD, global batch 64 (32 per rank), 2 ranks over gloo, one thread
+CNN (two convolutions, a linear head), SGD, global batch 64, ``--ranks`` ranks (2) over gloo, one thread
 per rank, ``--steps`` steps per epoch, ``--epochs`` epochs. Before the arms run, the parent times one
 step and one batch on one thread and sets ``decode_rounds`` (and, in ``io`` mode, a per-sample wait) so
 that preparing a rank's batch costs about as long as its step (``--prep-ratio``):
@@ -27,7 +27,8 @@ Figure: steady steps/s on rank 0, per epoch after the first, from its step-end t
 over those epochs; per repeat the ratios product/bare and product/inthread, then their median over
 repeats (the arm order rotates between repeats). On 2 cores, 2 ranks and 2 loader processes oversubscribe
 the CPU: in ``cpu`` mode the work per step is the same with loaders or without, so no arm can gain much
-there; ``io`` mode shows what the overlap hides.
+there; ``io`` mode shows what the overlap hides. ``--ranks 1`` leaves a core per rank for its loader: the
+configuration of a GPU node, where the ranks' steps run on the GPUs and the cores prepare batches.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from cluster.task import Task
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARMS = ("product", "bare", "inthread")
-GLOBAL_BATCH, WORLD, SEED, SAMPLES = 64, 2, 0, 8192
+GLOBAL_BATCH, SEED, SAMPLES = 64, 0, 8192
 TARGETS = {"product/bare": 0.98, "product/inthread": 1.6}
 
 
@@ -113,10 +114,10 @@ class ImageTask(Task):
         return nn.functional.cross_entropy(model(x), y), {}
 
 
-def calibrate(prep_ratio: float, io_share: float) -> dict[str, Any]:
+def calibrate(prep_ratio: float, io_share: float, world: int) -> dict[str, Any]:
     """On one thread: the step's time, a decode round's time per rank batch; rounds and wait to match."""
     torch.set_num_threads(1)
-    per_rank = GLOBAL_BATCH // WORLD
+    per_rank = GLOBAL_BATCH // world
     model, x, y = build_model(), torch.randn(per_rank, 3, 32, 32), torch.randint(0, 10, (per_rank,))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
 
@@ -182,7 +183,7 @@ def _product(rank: int, port: int, work: str, spec: dict[str, Any], loaders: int
         },
     )
     with worker_env(cfg):
-        worker = Worker(cfg, rank, WORLD, f"{work}/runs/bench-input")
+        worker = Worker(cfg, rank, spec["world"], f"{work}/runs/bench-input")
     if rank == 0:
         port = worker.bind_store()
         _write(f"{work}/port", str(port))
@@ -203,19 +204,20 @@ def _bare(rank: int, port: int, work: str, spec: dict[str, Any], loaders: int) -
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler
 
-    store = dist.TCPStore("127.0.0.1", port, WORLD, rank == 0)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+    world = spec["world"]
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     task = ImageTask(decode_rounds=spec["decode_rounds"], wait_s=spec["wait_s"])
     dataset = task.build_train_dataset()
     torch.manual_seed(SEED)
     model = DDP(task.build_model())
     optimizer = task.build_optimizer(model.module)
     sampler: DistributedSampler[Any] = DistributedSampler(
-        dataset, WORLD, rank, shuffle=True, seed=SEED, drop_last=True
+        dataset, world, rank, shuffle=True, seed=SEED, drop_last=True
     )
     loader = DataLoader(
         dataset,
-        batch_size=GLOBAL_BATCH // WORLD,
+        batch_size=GLOBAL_BATCH // world,
         sampler=sampler,
         drop_last=True,
         num_workers=loaders,
@@ -275,7 +277,9 @@ def run_arm(arm: str, spec: dict[str, Any], loaders: int, timeout: float) -> dic
             port = sock.getsockname()[1]
         ctx = mp.get_context("spawn")
         t0 = time.time()
-        procs = [ctx.Process(target=_child, args=(arm, r, port, work, spec, loaders)) for r in range(WORLD)]
+        procs = [
+            ctx.Process(target=_child, args=(arm, r, port, work, spec, loaders)) for r in range(spec["world"])
+        ]
         for p in procs:
             p.start()
         for p in procs:
@@ -301,6 +305,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--loaders", type=int, default=1, help="loader processes per rank (product and bare)")
+    ap.add_argument("--ranks", type=int, default=2, help="ranks (1: a core left for the loader on 2 cores)")
     ap.add_argument("--prep-ratio", type=float, default=1.0, help="a rank's batch preparation / its step")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--json")
@@ -311,11 +316,12 @@ def main() -> None:
         "command": " ".join(sys.argv),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
         "loaders": args.loaders,
+        "ranks": args.ranks,
         "modes": {},
     }
     for mode in args.modes.split(","):
-        cal = calibrate(args.prep_ratio, 0.8 if mode == "io" else 0.0)
-        spec = {**cal, "epochs": args.epochs, "steps": args.steps}
+        cal = calibrate(args.prep_ratio, 0.8 if mode == "io" else 0.0, args.ranks)
+        spec = {**cal, "epochs": args.epochs, "steps": args.steps, "world": args.ranks}
         print(
             f"[{mode}] one thread: step {cal['step_ms']:.1f} ms, "
             f"batch preparation {cal['batch_prep_ms']:.1f} ms "
