@@ -56,12 +56,27 @@ def files_under(path: str) -> int:
     return sum(len(files) for _, _, files in os.walk(path))
 
 
-def one(arm: str, n: int, spe: int, scratch: str, epochs: int, timeout: float) -> dict[str, Any]:
+def one(
+    arm: str,
+    n: int,
+    spe: int,
+    scratch: str,
+    epochs: int,
+    timeout: float,
+    product_set: list[str] | None = None,
+) -> dict[str, Any]:
     work = os.path.join(scratch, f"{n}{arm}")
     os.makedirs(work)
     kill = 2 * spe + 10
     spec = make_spec(
-        work, fault=True, kill_step=kill, epochs=epochs, ckpt_every=10, steps_per_epoch=spe, workers=n
+        work,
+        fault=True,
+        kill_step=kill,
+        epochs=epochs,
+        ckpt_every=10,
+        steps_per_epoch=spe,
+        workers=n,
+        product_set=product_set,
     )
     res = run_arm(arm, spec, work, timeout)
     res["workers"] = n
@@ -159,6 +174,12 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--json")
     p.add_argument("--png", default=os.path.join(REPO, "docs", "scale.png"))
+    p.add_argument(
+        "--product-set",
+        action="append",
+        default=[],
+        help="config override for the product arm (repeatable), e.g. failures.hot_spare=true",
+    )
     args = p.parse_args()
     arms = [a for a in args.arms.split(",") if a]
     spe = _steps_per_epoch(TASK_ARGS, 64)
@@ -169,7 +190,7 @@ def main() -> int:
             failed = 0
             for arm in arms:
                 t = time.time()
-                res = one(arm, n, spe, scratch, args.epochs, args.timeout)
+                res = one(arm, n, spe, scratch, args.epochs, args.timeout, args.product_set)
                 res["arm"] = arm
                 rows.append(res)
                 status = (
