@@ -796,8 +796,9 @@ class Worker:
             host = self.inputs.fetch(chunk, (self.epoch, self.step_in_epoch, i))
             batch = self.task.move_to_device(host, s.device)  # non-blocking from pinned memory on CUDA
             sync = i == len(chunks) - 1
-            with s.model.no_sync() if not sync else contextlib.nullcontext(), self._autocast(s):
-                loss, extra = self.task.compute_loss(s.model, batch)
+            with s.model.no_sync() if not sync else contextlib.nullcontext():
+                with self._autocast(s):  # the forward only: backward runs in the forward ops' dtypes anyway
+                    loss, extra = self.task.compute_loss(s.model, batch)
                 # DDP averages over ranks: scaling by n*W/B makes that average the global-batch mean.
                 scale = len(chunk) * self.world_size / tcfg.global_batch_size
                 (loss * scale if scale != 1.0 else loss).backward()
@@ -859,7 +860,8 @@ class Worker:
 
     def train_state(self, s: TrainSession, with_optimizer: bool = True) -> TrainState:
         """The train state at this point; at an epoch's end it points at the start of the next epoch.
-        With a sharded optimizer (training.zero), every rank calls ``consolidate_state_dict`` first."""
+        A sharded optimizer's ``state_dict`` needs ``consolidate_state_dict`` on every rank first
+        (``_checkpoint`` does it); ``with_optimizer=False`` leaves the optimizer out."""
         at_end = self.step_in_epoch == s.sampler.steps_per_epoch
         epoch, step_in_epoch = (self.epoch + 1, 0) if at_end else (self.epoch, self.step_in_epoch)
         return TrainState(
