@@ -1,6 +1,10 @@
 """The orchestrator from 2 to 32 ranks, side by side with Ray Train and bare DDP, in one run.
 
     RAY_AUTH_MODE=disabled .venv/bin/python -m benchmarks.bench_scale [--ranks 2 4 8 16 32] [--json F]
+        [--ray-cluster] [--arms product,raytrain,bare] [--product-set failures.hot_spare=true]
+
+``--ray-cluster``: the Ray arms connect to one ``ray start --head`` started before any clock (as a job
+submitted to a running cluster does) instead of each starting an embedded Ray.
 
 Per N, each arm (``product``, ``raytrain``, ``bare``: benchmarks/bench_ddp.py's, same model, data and
 global batch 64) runs 3 epochs of the fixed char-LM workload with N ranks sharing this machine's cores
@@ -37,7 +41,7 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks.bench_ddp import REPO, TASK_ARGS, _steps_per_epoch, make_spec, read_events, run_arm
+from benchmarks.bench_ddp import REPO, TASK_ARGS, RayHead, _steps_per_epoch, make_spec, read_events, run_arm
 
 ARMS = ("product", "raytrain", "bare")
 FIGURES = ("first_step_s", "epoch_s", "recovery_s", "teardown_s", "driver_cpu_s", "driver_rss_mb")
@@ -64,6 +68,7 @@ def one(
     epochs: int,
     timeout: float,
     product_set: list[str] | None = None,
+    head: RayHead | None = None,
 ) -> dict[str, Any]:
     work = os.path.join(scratch, f"{n}{arm}")
     os.makedirs(work)
@@ -77,6 +82,7 @@ def one(
         steps_per_epoch=spe,
         workers=n,
         product_set=product_set,
+        head=head,
     )
     res = run_arm(arm, spec, work, timeout)
     res["workers"] = n
@@ -180,17 +186,27 @@ def main() -> int:
         default=[],
         help="config override for the product arm (repeatable), e.g. failures.hot_spare=true",
     )
+    p.add_argument(
+        "--ray-cluster",
+        action="store_true",
+        help="start a `ray start --head` first and connect the Ray arms to it (as `ray job submit` does), "
+        "so that no arm's first step includes starting Ray",
+    )
     args = p.parse_args()
     arms = [a for a in args.arms.split(",") if a]
     spe = _steps_per_epoch(TASK_ARGS, 64)
     scratch = tempfile.mkdtemp(prefix="bsc", dir="/tmp")
     rows: list[dict[str, Any]] = []
+    head = RayHead(os.path.join(scratch, "head")) if args.ray_cluster else None
     try:
+        if head is not None:
+            print(f"starting a Ray head for the Ray arms at {head.address} ...", flush=True)
+            head.start()
         for n in args.ranks:
             failed = 0
             for arm in arms:
                 t = time.time()
-                res = one(arm, n, spe, scratch, args.epochs, args.timeout, args.product_set)
+                res = one(arm, n, spe, scratch, args.epochs, args.timeout, args.product_set, head)
                 res["arm"] = arm
                 rows.append(res)
                 status = (
@@ -204,6 +220,8 @@ def main() -> int:
                 print(f"every arm failed at N={n}: stopping here (memory or time)", flush=True)
                 break
     finally:
+        if head is not None:
+            head.stop()
         shutil.rmtree(scratch, ignore_errors=True)
     print(table(rows))
     try:
