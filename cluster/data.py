@@ -33,13 +33,19 @@ the training thread only copies them to the device (``Task.move_to_device``, non
   training process's sockets (gloo peers, the rendezvous store, Ray's), so a killed rank's connections
   would stay open until its loaders noticed (seconds), delaying its peers' failure detection; and fork
   after CUDA or other threads started is unsafe. The price: the dataset must be picklable (setup raises a
-  ConfigError otherwise) and each loader process imports torch once, during setup.
+  ConfigError otherwise) and each loader process imports torch once, during setup. A loader's parent is
+  the fork server, so DataLoader's own parent check cannot see the rank die: each loader watches the rank's
+  pid itself (every :data:`LOADER_WATCH_S`) and exits when it is gone, SIGKILL included.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import pickle
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -50,6 +56,9 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from cluster.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+
+LOADER_WATCH_S = 1.0
+"""How often a loader process checks that its rank still runs."""
 
 LEGACY_ORDER = 1
 """Epoch ``e`` permutes with ``randperm`` seeded ``seed * 1_000_003 + e``: runs started before order 2."""
@@ -217,6 +226,37 @@ def _as_is(batch: Any) -> Any:
     return batch
 
 
+def _exit_with(rank_pid: int, _worker_id: int) -> None:
+    """In each loader process: end it once the rank process that owns it is gone (SIGKILLed, or left with
+    ``os._exit``, before it could stop its loaders). DataLoader's own check watches the loader's parent, which
+    under forkserver is the fork server, not the rank; and every loader holds the fork server's "alive" pipe,
+    so neither would ever exit: each dead rank would leave its loaders and their memory behind."""
+
+    def watch() -> None:
+        while _alive(rank_pid):
+            time.sleep(LOADER_WATCH_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="cluster-loader-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):  # no /proc (not Linux): whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
 class InputPipeline:
     """Where the training thread's micro-batches come from (module docstring: order, staleness, start
     method). One per worker process; ``open`` once the device is known, ``start_epoch`` before each
@@ -246,6 +286,7 @@ class InputPipeline:
             collate_fn=_as_is,  # fetch_batch already collated
             multiprocessing_context="forkserver",
             generator=torch.Generator(),  # DataLoader's base seed: never drawn from the step's stream
+            worker_init_fn=functools.partial(_exit_with, os.getpid()),
         )
         self._micro.source = None
         try:

@@ -3,6 +3,7 @@ training thread's own fetches, resume mid-epoch exactly, and never hand out a ba
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -183,3 +184,63 @@ def test_an_unpicklable_dataset_is_a_config_error_naming_the_setting() -> None:
     inputs = InputPipeline(Unpicklable(), loader_workers=1, prefetch=2, grad_accum=1, seed=0)
     with pytest.raises(ConfigError, match=r"training\.loader_workers=1 .* or set training\.loader_workers=0"):
         inputs.open(torch.device("cpu"))
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
+
+
+def _loaders_then_die(cfg: JobConfig, out: str) -> None:
+    """A rank that starts its loader processes, writes their pids (and the fork server's), then dies by
+    SIGKILL, as a rank does when its node's OOM killer or a fault takes it."""
+    import signal
+
+    from cluster.data import InputPipeline as Pipeline
+
+    pipeline = Pipeline(tiny_dataset(), 2, 2, 1, 0)
+    pipeline.open(torch.device("cpu"))
+    servers = _children(os.getpid())
+    loaders = [c for s in servers for c in _children(s)]
+    with open(f"{out}/pids.json", "w") as fh:
+        json.dump({"servers": servers, "loaders": loaders}, fh)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def tiny_dataset() -> Any:
+    from cluster.data import TensorBatchDataset
+
+    return TensorBatchDataset(torch.arange(64.0).reshape(32, 2), torch.zeros(32, dtype=torch.long))
+
+
+@pytest.mark.timeout(60)
+def test_loader_processes_end_when_their_rank_is_killed(tmp_path: Path) -> None:
+    import time
+
+    import torch.multiprocessing as mp
+
+    from cluster.data import _alive
+
+    proc = mp.get_context("spawn").Process(target=_loaders_then_die, args=(None, str(tmp_path)))
+    proc.start()
+    proc.join(30)
+    assert proc.exitcode == -9
+    pids = json.loads((tmp_path / "pids.json").read_text())
+    assert len(pids["loaders"]) == 2 and pids["servers"]
+    deadline = time.monotonic() + 15
+    left = pids["loaders"] + pids["servers"]
+    while left and time.monotonic() < deadline:
+        left = [p for p in left if _alive(p)]
+        time.sleep(0.2)
+    for pid in left:  # never leave them behind, whatever the outcome
+        with contextlib.suppress(OSError):
+            os.kill(pid, 9)
+    assert not left, f"loader processes {left} outlived their rank"
