@@ -40,6 +40,12 @@ class ScalingConfig:
     """Fewest workers the job may continue with after losing nodes (elastic). Defaults to num_workers."""
     use_gpu: bool = False
     """One GPU per worker and the NCCL backend; otherwise CPU workers over gloo."""
+    gpus_per_worker: float = 1.0
+    """GPUs reserved per worker with use_gpu. Below 1, ranks share a GPU (Ray's fractional GPUs): small
+    models, tests. NCCL refuses two ranks on one GPU, so that needs backend gloo."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Collective backend: auto is NCCL on GPUs, gloo on CPUs. gloo on GPUs is slower: for ranks that share
+    a GPU, or to tell an NCCL problem from a training one."""
     cpus_per_worker: float = 1.0
     """CPUs reserved per worker; also the worker's OMP_NUM_THREADS (rounded down, at least 1)."""
     resources_per_worker: dict[str, float] = field(default_factory=dict)
@@ -394,6 +400,18 @@ def validate(cfg: JobConfig) -> None:
         )
     if s.cpus_per_worker <= 0:
         raise ConfigError(f"scaling.cpus_per_worker={s.cpus_per_worker} must be positive")
+    if not 0 < s.gpus_per_worker <= 1:
+        raise ConfigError(
+            f"scaling.gpus_per_worker={s.gpus_per_worker:g} must be in (0, 1]: a rank trains on one GPU "
+            "(below 1, ranks share one)"
+        )
+    if s.backend == "nccl" and not s.use_gpu:
+        raise ConfigError("scaling.backend=nccl needs scaling.use_gpu=true; CPU workers use gloo (auto)")
+    if s.use_gpu and s.gpus_per_worker < 1 and s.backend != "gloo":
+        raise ConfigError(
+            f"scaling.gpus_per_worker={s.gpus_per_worker:g} puts several ranks on one GPU, which NCCL "
+            "refuses (duplicate GPU); set scaling.backend=gloo, or scaling.gpus_per_worker=1"
+        )
     if s.resource_wait_s <= 0:
         raise ConfigError(f"scaling.resource_wait_s={s.resource_wait_s} must be positive")
     if s.worker_niceness is not None and not -20 <= s.worker_niceness <= 19:

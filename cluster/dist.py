@@ -65,21 +65,22 @@ def bind_thread(device: torch.device | None) -> None:
         torch.cuda.set_device(device)
 
 
-def share_gpus(placements: list[tuple[str, list[str]]]) -> list[tuple[str, int]]:
+def share_gpus(placements: list[tuple[str, list[str]]], shared: bool = False) -> list[tuple[str, int]]:
     """Per rank: the ``CUDA_VISIBLE_DEVICES`` it should run with and its own GPU's index in that list.
 
     ``placements[rank]`` is (node id, the GPU ids Ray assigned the rank). Every rank on a node sees the ids
     of all the group's GPUs on that node (sorted: numerically when they are numbers), so NCCL sees the
     node's topology (P2P/NVLink between the ranks there) instead of one isolated device per process; each
     rank selects its own GPU by its id's position. What Ray Train does for its workers too. Two ranks of
-    one node holding the same GPU is an error (NCCL would stop with "Duplicate GPU detected")."""
+    one node holding the same GPU is an error (NCCL would stop with "Duplicate GPU detected") unless
+    ``shared`` (fractional GPUs over gloo)."""
     by_node: dict[str, set[str]] = {}
     for rank, (node, ids) in enumerate(placements):
         if not ids:
             raise ValueError(f"rank {rank} was assigned no GPU on node {node[:12]}")
         mine = by_node.setdefault(node, set())
         taken = mine.intersection(ids)
-        if taken:
+        if taken and not shared:
             raise ValueError(
                 f"rank {rank} holds GPU {sorted(taken)} of node {node[:12]}, as another rank does"
             )
@@ -93,13 +94,19 @@ def _gpu_key(gpu_id: str) -> tuple[int, int, str]:
 
 
 def init_process_group(
-    store: dist.Store, rank: int, world_size: int, device: torch.device, timeout_s: float
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    timeout_s: float,
+    backend: str = "auto",
 ) -> str:
-    """nccl on CUDA, gloo on CPU, with an explicit timeout. Returns the backend.
+    """``backend`` ("auto": nccl on CUDA, gloo on CPU), with an explicit timeout. Returns the backend.
 
     Under gloo it also records the group's TCP connections to its peers (see :func:`sever_peers`)."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if backend == "nccl" else {}
     before = _socket_inodes() if backend == "gloo" else {}
     dist.init_process_group(
         backend,

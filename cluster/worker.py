@@ -340,7 +340,12 @@ class Worker:
             store = cdist.connect_store(host, port, self.world_size, cfg.failures.process_group_timeout_s)
         t["store"] = time.time()
         backend = cdist.init_process_group(
-            store, self.rank, self.world_size, device, cfg.failures.process_group_timeout_s
+            store,
+            self.rank,
+            self.world_size,
+            device,
+            cfg.failures.process_group_timeout_s,
+            cfg.scaling.backend,
         )
         t["process_group"] = time.time()
 
@@ -376,7 +381,9 @@ class Worker:
                 scheduler = task.build_scheduler(optimizer, sampler.steps_per_epoch * cfg.training.epochs)
             resume = self._receive(peers, device, raw_model, optimizer, scheduler)
             t["peer_transfer"] = time.time()
-            model = self._ddp(raw_model, device)
+            # every rank now holds the verified same parameters and buffers: DDP's own broadcast of rank
+            # 0's (a model's worth of collectives across the whole group) would only repeat that
+            model = self._ddp(raw_model, device, sync=False)
             t["ddp"] = time.time()
         else:
             model = self._ddp(raw_model, device)
@@ -430,19 +437,21 @@ class Worker:
         groups = [dict(g) for g in optimizer.param_groups]
         return ZeroRedundancyOptimizer(groups, optimizer_class=cls, **defaults)
 
-    def _ddp(self, raw_model: nn.Module, device: torch.device) -> DDP:
+    def _ddp(self, raw_model: nn.Module, device: torch.device, sync: bool = True) -> DDP:
         """Wrap for training. ``gradient_as_bucket_view``: after backward the gradients are views into DDP's
         buckets, not a second copy (same values). Buffers (BatchNorm's running statistics) are broadcast
         from rank 0 before each forward only where there are any (``forward_sync_buffers``, torch 2.13's
-        name for ``broadcast_buffers``; at init they are always synced). With training.compile the wrapper's
-        forward is compiled in place, so the model stays a DDP and ``raw_model`` the plain module a
-        checkpoint holds."""
+        name for ``broadcast_buffers``; at init they are synced). ``sync=False`` skips DDP's check and
+        broadcast at init (``init_sync``), for ranks that already hold the same state. With
+        training.compile the wrapper's forward is compiled in place, so the model stays a DDP and
+        ``raw_model`` the plain module a checkpoint holds."""
         model = DDP(
             raw_model,
             device_ids=[device.index] if device.type == "cuda" else None,
             find_unused_parameters=self.cfg.training.fixed_buckets,  # see TrainingConfig.fixed_buckets
             gradient_as_bucket_view=True,
             **_buffer_sync(any(True for _ in raw_model.buffers())),
+            **_init_sync(sync),
         )
         if self.cfg.training.compile:
             model.compile()
@@ -979,6 +988,13 @@ def _buffer_sync(sync: bool) -> dict[str, Any]:
     if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
         return {"forward_sync_buffers": sync}
     return {"broadcast_buffers": sync}
+
+
+def _init_sync(sync: bool) -> dict[str, Any]:
+    """DDP's ``init_sync`` where the installed torch has it (older ones always sync at init)."""
+    if not sync and "init_sync" in inspect.signature(DDP.__init__).parameters:
+        return {"init_sync": False}
+    return {}
 
 
 def _is_zero(optimizer: torch.optim.Optimizer) -> bool:

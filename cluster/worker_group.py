@@ -127,7 +127,7 @@ class RayWorkerGroup:
         s = self.cfg.scaling
         b: dict[str, float] = {"CPU": s.cpus_per_worker, **s.resources_per_worker}
         if s.use_gpu:
-            b["GPU"] = 1
+            b["GPU"] = s.gpus_per_worker
         return b
 
     def available_for(self, n: int) -> bool:
@@ -196,7 +196,10 @@ class RayWorkerGroup:
         ``cluster.dist.share_gpus``), before any of them starts CUDA."""
         ids = self._get([a.gpu_ids.remote() for a in self.actors], timeout)
         try:
-            shared = share_gpus([(node, gpus) for (node, _), gpus in zip(self.nodes, ids)])
+            shared = share_gpus(
+                [(node, gpus) for (node, _), gpus in zip(self.nodes, ids)],
+                shared=self.cfg.scaling.gpus_per_worker < 1,
+            )
         except ValueError as exc:
             raise ResourcesUnavailableError(f"Ray's GPU assignment cannot be used: {exc}") from None
         self._get([a.use_gpus.remote(v, i) for a, (v, i) in zip(self.actors, shared)], timeout)
@@ -207,7 +210,7 @@ class RayWorkerGroup:
         s = self.cfg.scaling
         return cls.options(
             num_cpus=s.cpus_per_worker,
-            num_gpus=1 if s.use_gpu else 0,
+            num_gpus=s.gpus_per_worker if s.use_gpu else 0,
             resources=dict(s.resources_per_worker),
             max_concurrency=2,
             max_restarts=0,

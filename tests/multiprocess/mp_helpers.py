@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 from cluster.config import JobConfig, load_config
 from cluster.data import fetch_batch
+from cluster.dist import share_gpus
 from cluster.worker import Worker
 
 
@@ -39,13 +40,13 @@ def _entry(
     port_q: Any,
     attempt: int,
     grads: bool,
-    gpus: list[str] | None,
+    gpu: tuple[str, int] | None,
 ) -> None:
     try:
         os.environ["OMP_NUM_THREADS"] = "1"
         worker = Worker(cfg, rank, world, run_url, attempt)
-        if gpus:  # one GPU per rank; every rank sees all of them, as the Ray path arranges (share_gpus)
-            worker.use_gpus(",".join(gpus), rank)
+        if gpu:  # every rank sees all the GPUs and selects its own, as the Ray path arranges (share_gpus)
+            worker.use_gpus(*gpu)
         if rank == 0:
             port = worker.bind_store()
             for _ in range(world - 1):
@@ -108,11 +109,12 @@ def run_workers(
     """Start ``world`` processes, run ``plan`` (list of (epoch, start_step)), return each rank's result."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    gpus = _gpu_ids() if cfg.scaling.use_gpu and world > 1 else None
-    if gpus is not None and len(gpus) < world:
-        raise RuntimeError(f"{world} GPU ranks need {world} GPUs; this machine shows {len(gpus)}")
+    gpus = _gpu_placement(cfg, world)
     procs = [
-        ctx.Process(target=_entry, args=(r, world, cfg, run_url, plan, out, q, attempt, grads, gpus))
+        ctx.Process(
+            target=_entry,
+            args=(r, world, cfg, run_url, plan, out, q, attempt, grads, gpus[r] if gpus else None),
+        )
         for r in range(world)
     ]
     for p in procs:
@@ -133,6 +135,18 @@ def run_workers(
                 p.kill()
                 p.join(5)
     return [torch.load(f"{out}/rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _gpu_placement(cfg: JobConfig, world: int) -> list[tuple[str, int]] | None:
+    """Per rank, (CUDA_VISIBLE_DEVICES, its index): one GPU each, or ``1 / gpus_per_worker`` ranks per GPU,
+    assigned as Ray would and shared by ``cluster.dist.share_gpus``."""
+    if not cfg.scaling.use_gpu or world == 1:
+        return None
+    gpus, per_gpu = _gpu_ids(), max(1, int(1 / cfg.scaling.gpus_per_worker + 1e-9))
+    if len(gpus) * per_gpu < world:
+        raise RuntimeError(f"{world} GPU ranks, {per_gpu} per GPU, need more GPUs than the {len(gpus)} here")
+    placements = [("local", [gpus[r // per_gpu]]) for r in range(world)]
+    return share_gpus(placements, shared=per_gpu > 1)
 
 
 def _gpu_ids() -> list[str]:

@@ -27,6 +27,14 @@ BAD = [
     (["scaling.use_gpu=maybe"], "scaling.use_gpu must be true or false"),
     (["scaling.placement_strategy=RANDOM"], "choose one of 'PACK'"),
     (["scaling.cpus_per_worker=0"], "scaling.cpus_per_worker=0.0 must be positive"),
+    (["scaling.gpus_per_worker=2"], "scaling.gpus_per_worker=2 must be in (0, 1]"),
+    (["scaling.backend=nccl"], "scaling.backend=nccl needs scaling.use_gpu=true"),
+    (["scaling.backend=mpi"], "choose one of 'auto'"),
+    (
+        ["scaling.use_gpu=true", "scaling.gpus_per_worker=0.5"],
+        "scaling.gpus_per_worker=0.5 puts several ranks on one GPU, which NCCL refuses (duplicate GPU); "
+        "set scaling.backend=gloo",
+    ),
     (["scaling.worker_niceness=20"], "scaling.worker_niceness=20 is not a niceness; use -20..19"),
     (["training.amp=fp8"], "training.amp='fp8' is not allowed"),
     (["training.grad_clip=-1"], "training.grad_clip=-1.0 must be positive"),

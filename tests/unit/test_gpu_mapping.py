@@ -44,6 +44,12 @@ def test_two_ranks_on_one_gpu_or_a_rank_without_one_is_an_error() -> None:
     assert share_gpus([("a", ["0"]), ("b", ["0"])]) == [("0", 0), ("0", 0)]  # same id, other node: fine
 
 
+def test_ranks_sharing_a_gpu_over_gloo_each_find_it() -> None:
+    # gpus_per_worker=0.5: Ray hands two ranks each GPU; with shared=True that is allowed
+    got = share_gpus([("a", ["1"]), ("a", ["0"]), ("a", ["1"]), ("a", ["0"])], shared=True)
+    assert got == [("0,1", 1), ("0,1", 0), ("0,1", 1), ("0,1", 0)]
+
+
 def _err(exc_type: str, message: str) -> WorkerError:
     return WorkerError(0, 3, exc_type, message, "")
 
