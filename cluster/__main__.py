@@ -4,7 +4,7 @@
     python -m cluster show ./runs/tiny-cpu                 # config, failures, checkpoints, metrics
     python -m cluster show s3://bucket/runs gpt-gpu --verify   # also checksum every checkpoint
     python -m cluster plot ./runs/tiny-cpu --out tiny.png  # loss and samples/s vs global step
-    python -m cluster docs-config --write README.md        # regenerate the README's config reference
+    python -m cluster docs-config --write docs/config.md   # regenerate the config reference
 
 Storage credentials come from the usual environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS) or from
 ``-o key=value`` fsspec storage options (``-o endpoint_url=http://127.0.0.1:9000``).
@@ -80,8 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("name", nargs="?", help="run name under URL")
     pl.add_argument("--out", required=True, help="PNG file to write, e.g. loss.png")
 
-    dc = sub.add_parser("docs-config", help="print the README's configuration reference (generated)")
-    dc.add_argument("--write", metavar="README", help="replace the reference block in this file instead")
+    dc = sub.add_parser("docs-config", help="print the configuration reference (docs/config.md, generated)")
+    dc.add_argument("--write", metavar="FILE", help="replace the reference block in this file instead")
     return p
 
 

@@ -1,5 +1,5 @@
-"""The README's configuration reference is generated from the config's field docs and cannot drift; the
-README's and docs/'s links, config keys, commands and metrics table stay true to the code."""
+"""The configuration reference (docs/config.md) is generated from the config's field docs and cannot drift;
+the README's and docs/'s links, config keys, commands and metrics table stay true to the code."""
 
 from __future__ import annotations
 
@@ -19,20 +19,21 @@ from cluster.metrics import SCHEMA
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 README = os.path.join(REPO, "README.md")
+CONFIG_DOC = os.path.join(REPO, "docs", "config.md")
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
-def _readme() -> str:
-    with open(README) as fh:
+def _config_doc() -> str:
+    with open(CONFIG_DOC) as fh:
         return fh.read()
 
 
-def test_readme_reference_is_what_field_docs_generates() -> None:
-    block = docs.extract(_readme())
-    assert block is not None, f"README.md lacks the {docs.START} ... {docs.END} block"
+def test_config_doc_is_what_field_docs_generates() -> None:
+    block = docs.extract(_config_doc())
+    assert block is not None, f"docs/config.md lacks the {docs.START} ... {docs.END} block"
     assert block == docs.config_reference(), (
-        "README.md's configuration reference is stale: run `python -m cluster docs-config --write README.md`"
+        "docs/config.md is stale: run `python -m cluster docs-config --write docs/config.md`"
     )
 
 
@@ -63,11 +64,11 @@ def test_reference_has_one_documented_row_per_config_key() -> None:
 
 
 def test_stale_reference_is_detected_and_rewritten() -> None:
-    stale = _readme().replace("| `training.epochs` | `int` | `1` |", "| `training.epochs` | `int` | `7` |")
-    assert stale != _readme()
+    stale = _config_doc().replace("| `training.epochs` | `int` | `1` |", "| `training.epochs` | `int` | `7` |")
+    assert stale != _config_doc()
     assert docs.extract(stale) != docs.config_reference()
     fixed = docs.replace(stale)
-    assert fixed == _readme()
+    assert fixed == _config_doc()
     with pytest.raises(ValueError, match="config-reference:start"):
         docs.replace("# a README without the markers\n")
 
@@ -78,8 +79,8 @@ def test_docs_config_command_prints_and_writes_the_block(tmp_path: pathlib.Path)
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout == docs.config_reference()
-    copy = tmp_path / "README.md"
-    copy.write_text(_readme().replace("Number of DDP workers", "Number of workers, stale"))
+    copy = tmp_path / "config.md"
+    copy.write_text(_config_doc().replace("Number of DDP workers", "Number of workers, stale"))
     out = subprocess.run(
         [sys.executable, "-m", "cluster", "docs-config", "--write", str(copy)],
         cwd=REPO,
@@ -88,7 +89,7 @@ def test_docs_config_command_prints_and_writes_the_block(tmp_path: pathlib.Path)
         timeout=50,
     )
     assert out.returncode == 0, out.stderr
-    assert copy.read_text() == _readme()
+    assert copy.read_text() == _config_doc()
 
 
 # --- README.md and docs/*.md: links, names and schema they quote ----------------------------------------
