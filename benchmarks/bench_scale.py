@@ -97,6 +97,7 @@ def one(
         res["writes_per_epoch"] = product_writes(run) / epochs
         started = [e for e in read_events(run) if e["event"] == "group_started"]
         res["rendezvous_s"] = started[0].get("setup_s", {}).get("process_group") if started else None
+        res["recovery_setup_s"] = started[1].get("setup_s") if len(started) > 1 else None
         res["reused_workers"] = next(
             (e.get("reused_workers") for e in read_events(run) if e["event"] == "recovered"), None
         )

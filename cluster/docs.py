@@ -1,7 +1,8 @@
-"""The configuration reference (docs/config.md), generated from :func:`cluster.config.field_docs` so it cannot drift.
+"""The configuration reference (docs/config.md), generated from :func:`cluster.config.field_docs` so
+it cannot drift.
 
-``python -m cluster docs-config`` prints the block; ``--write docs/config.md`` replaces it in place; the unit test
-``tests/unit/test_docs.py`` fails when that copy differs from what the config declares.
+``python -m cluster docs-config`` prints the block; ``--write docs/config.md`` replaces it in place; the
+unit test ``tests/unit/test_docs.py`` fails when that copy differs from what the config declares.
 """
 
 from __future__ import annotations

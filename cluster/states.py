@@ -44,6 +44,8 @@ class RecoveryTiming:
     t_ready: float = 0.0
     resume_step: int = 0
     actors_s: float = 0.0
+    connect_s: float = 0.0
+    """The slowest rank's connect to rank 0's rendezvous store (part of ``actors_s``)."""
     rendezvous_s: float = 0.0
     task_s: float = 0.0
     ddp_s: float = 0.0
@@ -65,6 +67,10 @@ class RecoveryTiming:
     ) -> None:
         self.t_reserved, self.t_ready, self.resume_step = t_reserved, t_ready, resume_step
         self.actors_s = max(i.timings["start"] for i in infos) - t_reserved
+        self.connect_s = max(
+            (i.timings["connected"] - i.timings["connect"] for i in infos if "connect" in i.timings),
+            default=0.0,
+        )
         self.rendezvous_s = max(i.timings["process_group"] - i.timings["start"] for i in infos)
         self.task_s = max(i.timings["task"] - i.timings["process_group"] for i in infos)
         before_ddp = "peer_transfer" if "peer_transfer" in infos[0].timings else "task"
@@ -89,6 +95,7 @@ class RecoveryTiming:
             "reserve_s": self.t_reserved - self.t_teardown,
             "start_and_load_s": self.t_ready - self.t_reserved,
             "actors_s": self.actors_s,
+            "connect_s": self.connect_s,
             "rendezvous_s": self.rendezvous_s,
             "task_s": self.task_s,
             "ddp_s": self.ddp_s,

@@ -255,6 +255,7 @@ class Worker:
         self._max_step_time = 0.0
         self._in_epoch = False
         self._store: dist.TCPStore | None = None
+        self._connect_marks: dict[str, float] = {}
         self._rows: deque[dict[str, Any]] = deque()  # rank 0's step rows not yet handed to the driver
         self._kept: TrainSession | None = None  # a survivor's session after its group failed (peer recovery)
         self._task: Task | None = None
@@ -309,24 +310,28 @@ class Worker:
         self.gpu_index = index
         return visible
 
-    def bind_store(self) -> int:
-        """Rank 0 only: bind the rendezvous store; return its port (the caller publishes host:port)."""
-        self._store, port = cdist.bind_store(self.world_size, self.cfg.failures.process_group_timeout_s)
+    def bind_store(self, ipv4: bool = True) -> int:
+        """Rank 0 only: bind the rendezvous store (``ipv4``: the node's address is IPv4, see
+        ``cluster.dist.bind_store``); return its port (the caller publishes host:port)."""
+        self._store, port = cdist.bind_store(self.world_size, self.cfg.failures.process_group_timeout_s, ipv4)
         return port
 
     def connect(self, host: str, port: int) -> None:
         """Ranks other than 0: connect to rank 0's rendezvous store now (the driver calls this in waves,
         see ``RayWorkerGroup.start``); ``setup`` then uses the connection."""
         if self.rank != 0:
+            t0 = time.time()
             self._store = cdist.connect_store(
                 host, port, self.world_size, self.cfg.failures.process_group_timeout_s
             )
+            self._connect_marks = {"connect": t0, "connected": time.time()}
 
     def setup(self, host: str, port: int, peers: PeerPlan | None = None) -> TrainSession:
         """Join the process group, build (or keep) model and optimizer, and take the state to resume from:
         from rank ``peers.source`` over the new group when a peer plan is given (a survivor keeps its own
         model and optimizer), else from the newest verified checkpoint."""
-        t = {"start": time.time()}
+        t = {**self._connect_marks, "start": time.time()}  # ``connect``'s, when it ran
+        self._connect_marks = {}
         cfg = self.cfg
         kept, self._kept = self._kept, None
         if peers is None and kept is not None:

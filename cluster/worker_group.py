@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from functools import cache
@@ -28,7 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.checkpoint import CommitRecord
 from cluster.config import JobConfig
-from cluster.dist import share_gpus
+from cluster.dist import share_gpus, store_host
 from cluster.errors import ConfigError, Failure, ResourcesUnavailableError, WorkerError, device_broken
 from cluster.group import Salvage
 from cluster.peer import PeerPlan, PeerState
@@ -43,6 +44,10 @@ class _WorkerActor:
     def __init__(self, cfg: JobConfig, rank: int, world_size: int, run_url: str, attempt: int) -> None:
         with worker_env(cfg):
             self.worker = Worker(cfg, rank, world_size, run_url, attempt)
+        # DistributedDataParallel's first construction imports torch._dynamo (~820 modules, 0.7-2.6 s on
+        # 2 cores), in setup after the rendezvous: on every rank's critical path. Import it now, while the
+        # driver rendezvouses the group, so that setup finds it loaded.
+        threading.Thread(target=_import_dynamo, name="cluster-import-dynamo", daemon=True).start()
 
     def node(self) -> tuple[str, str]:
         ctx = ray.get_runtime_context()
@@ -58,7 +63,8 @@ class _WorkerActor:
         return self.worker.use_gpus(visible, index)
 
     def bind_store(self) -> tuple[str, int]:
-        return ray.util.get_node_ip_address(), self.worker.bind_store()
+        ip = ray.util.get_node_ip_address()
+        return ip, self.worker.bind_store(ipv4=":" not in ip)
 
     def connect(self, host: str, port: int) -> None:
         self.worker.connect(host, port)
@@ -182,10 +188,13 @@ class RayWorkerGroup:
         _check_same_code(self._get([a.code.remote() for a in self.actors], timeout), self.nodes)
         if self.cfg.scaling.use_gpu:
             self._share_gpus(timeout)
-        host, port = self._get([self.actors[0].bind_store.remote()], timeout)[0]
+        ip, port = self._get([self.actors[0].bind_store.remote()], timeout)[0]
+        hosts = [store_host(node, self.nodes[0][0], ip) for node, _ in self.nodes]
         for wave in connect_waves(world_size):
-            self._get([self.actors[r].connect.remote(host, port) for r in wave], timeout)
-        infos: list[SetupInfo] = self._get([a.setup.remote(host, port, peers) for a in self.actors], timeout)
+            self._get([self.actors[r].connect.remote(hosts[r], port) for r in wave], timeout)
+        infos: list[SetupInfo] = self._get(
+            [a.setup.remote(h, port, peers) for a, h in zip(self.actors, hosts)], timeout
+        )
         for info, (node_id, _) in zip(infos, self.nodes):
             info.node_id = node_id
         self._start_spare(cls)
@@ -724,6 +733,13 @@ _TRAINING_MODULES = (
 
 
 @cache
+def _import_dynamo() -> None:
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception as exc:  # setup imports it again (and raises there if it must)
+        logger.warning("importing torch._dynamo ahead of DDP failed: %s", exc)
+
+
 def code_fingerprint() -> tuple[str, str]:
     """(directory, sha256 of its sources) of the ``cluster`` package this process imported."""
     here = os.path.dirname(os.path.abspath(__file__))

@@ -64,7 +64,9 @@ def test_reference_has_one_documented_row_per_config_key() -> None:
 
 
 def test_stale_reference_is_detected_and_rewritten() -> None:
-    stale = _config_doc().replace("| `training.epochs` | `int` | `1` |", "| `training.epochs` | `int` | `7` |")
+    stale = _config_doc().replace(
+        "| `training.epochs` | `int` | `1` |", "| `training.epochs` | `int` | `7` |"
+    )
     assert stale != _config_doc()
     assert docs.extract(stale) != docs.config_reference()
     fixed = docs.replace(stale)
