@@ -792,11 +792,12 @@ CONNECT_WAVE = 16
 def connect_waves(world_size: int) -> list[list[int]]:
     """Ranks 1..N-1 in waves of 16, 32, 64, ...: a wave starts once the previous one is connected.
 
-    Measured with torch 2.13 on 2 cores: when 31 clients connect to a fresh TCPStore at the same instant
-    (libuv backend or not; the listen backlog is 4096), about half of them take 5 s, in the product and
-    in a bare script alike; 15 first and then the rest, every one connects in under 0.1 s. In the product
-    at 32 ranks the store phase went from 5.07 s to 0.085 s (the whole rendezvous from 5.9 s to 0.89 s),
-    for one more round trip per wave (about log2 N waves)."""
+    The store looks up the host name of each connecting address in its one event-loop thread (see
+    ``cluster.dist.bind_store``); where DNS is slow to answer, many connects at once queue behind each
+    other's lookups. Measured with torch 2.13 on 2 cores, before the store had its own IPv4 socket: 31
+    clients at once, about half took 5 s; 15 first and then the rest, every one under 0.1 s. Waves still
+    bound the lookups in flight for ranks on other nodes than rank 0's, for one more round trip per wave
+    (about log2 N waves)."""
     waves, start, size = [], 1, CONNECT_WAVE
     while start < world_size:
         waves.append(list(range(start, min(world_size, start + size))))
