@@ -39,7 +39,7 @@ def bind_store(world_size: int, timeout_s: float, ipv4: bool = True) -> tuple[di
         listener.listen(LISTEN_BACKLOG)
         port = listener.getsockname()[1]
         kwargs["master_listen_fd"] = listener.detach()
-        if torch.torch_version.TorchVersion(torch.__version__) < (2, 8):
+        if torch.torch_version.TorchVersion(torch.__version__) < "2.8":
             kwargs["use_libuv"] = False  # libuv took a given socket without listening on it before 2.8
     else:
         port = 0
