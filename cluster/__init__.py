@@ -4,6 +4,11 @@ from cluster import load_config, train
 result = train(load_config("jobs/configs/tiny_cpu.yaml", ["name=demo"]))
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from cluster.config import (
     CheckpointConfig,
     FailureConfig,
@@ -15,7 +20,6 @@ from cluster.config import (
     load_config,
 )
 from cluster.data import ResumableDistributedSampler, TensorBatchDataset, read_parquet
-from cluster.driver import Driver, FailurePolicy, Result, train
 from cluster.errors import (
     CheckpointError,
     ClusterError,
@@ -25,9 +29,33 @@ from cluster.errors import (
     TrainingFailedError,
     WorkerError,
 )
-from cluster.load import Checkpoint, load_checkpoint, load_model
 from cluster.parquet import ParquetDataset
 from cluster.task import Task
+
+if TYPE_CHECKING:
+    from cluster.driver import Driver, FailurePolicy, Result, train
+    from cluster.load import Checkpoint, load_checkpoint, load_model
+
+# Imported on first use: a worker process imports this package (its actor class lives in it) but never the
+# driver, whose imports (pyarrow for the metrics files, tracking) cost each worker ~0.35 s of CPU at start.
+_LAZY = {
+    "Driver": "cluster.driver",
+    "FailurePolicy": "cluster.driver",
+    "Result": "cluster.driver",
+    "train": "cluster.driver",
+    "Checkpoint": "cluster.load",
+    "load_checkpoint": "cluster.load",
+    "load_model": "cluster.load",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'cluster' has no attribute {name!r}")
+
 
 __all__ = [
     "Checkpoint",
