@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import datetime
 import glob
+import importlib.util
 import itertools
 import json
 import os
@@ -305,7 +306,7 @@ def child_raytrain(spec: dict[str, Any]) -> dict[str, Any]:
         ray.init(address=spec["ray_address"], configure_logging=False)
     else:
         ray.init(
-            num_cpus=2,
+            num_cpus=int(spec.get("cores", 2)),
             include_dashboard=False,
             _temp_dir=spec["ray_tmp"],
             configure_logging=False,
@@ -402,8 +403,8 @@ def child_main(arm: str, spec_path: str, out_path: str) -> int:
 
 # ====================================================================== parent side
 def _cpus_per_worker(spec: dict[str, Any]) -> float:
-    """One CPU per rank up to 2 ranks; beyond, the 2 CPUs this benchmark is sized for, shared."""
-    return min(1.0, 2.0 / int(spec.get("workers", 2)))
+    """One CPU per rank up to ``cores`` ranks (2 unless told: this machine's); beyond, those CPUs shared."""
+    return min(1.0, float(spec.get("cores", 2)) / int(spec.get("workers", 2)))
 
 
 def _steps_per_epoch(task_args: dict[str, Any], batch: int) -> int:
@@ -426,8 +427,10 @@ def make_spec(
     task: str = "jobs.tasks.charlm:CharLMTask",
     task_args: dict[str, Any] | None = None,
     workers: int = 2,
+    cores: int = 2,
 ) -> dict[str, Any]:
-    """The spec one arm's child runs: the fixed workload, with its scratch paths under ``work``."""
+    """The spec one arm's child runs: the fixed workload, with its scratch paths under ``work``; ``cores``:
+    the CPUs the ranks share (Ray's ``num_cpus``)."""
     spec: dict[str, Any] = {
         "task": "benchmarks.faults:KillableCharLM" if fault else task,
         "task_args": {**TASK_ARGS, **(task_args or {})},
@@ -444,6 +447,7 @@ def make_spec(
         "kill_file": os.path.join(work, "killed") if fault else "",
         "product_set": list(product_set or []),
         "workers": workers,
+        "cores": cores,
         "ray_address": head.address if head else "",
         "ray_head_tmp": head.temp_dir if head else "",
     }
@@ -556,7 +560,8 @@ class RayHead:
     """--ray-cluster: a real ``ray start --head`` (dashboard included, as on a cluster) that every Ray arm
     connects to, started before and stopped after all runs; its processes are found by its temp dir."""
 
-    def __init__(self, temp_dir: str) -> None:
+    def __init__(self, temp_dir: str, num_cpus: int = 2) -> None:
+        import shutil
         import socket
 
         def free_port() -> int:
@@ -567,20 +572,28 @@ class RayHead:
         self.temp_dir = temp_dir
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
+        ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")  # the venv's; else the PATH's
         self.args = [
-            os.path.join(os.path.dirname(sys.executable), "ray"),
+            ray_cli if os.path.exists(ray_cli) else shutil.which("ray") or ray_cli,
             "start",
             "--head",
-            "--num-cpus=2",
+            f"--num-cpus={num_cpus}",
             f"--port={self.port}",
             "--node-ip-address=127.0.0.1",
-            "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={free_port()}",
             f"--ray-client-server-port={free_port()}",
-            f"--dashboard-agent-listen-port={free_port()}",
             f"--temp-dir={temp_dir}",
             "--disable-usage-stats",
         ]
+        if (
+            importlib.util.find_spec("aiohttp_cors") is not None
+        ):  # ray[default]; not a minimal `pip install ray`
+            self.args += [
+                "--dashboard-host=127.0.0.1",
+                f"--dashboard-port={free_port()}",
+                f"--dashboard-agent-listen-port={free_port()}",
+            ]
+        else:
+            self.args.append("--include-dashboard=false")
 
     def start(self) -> None:
         env = dict(

@@ -1,14 +1,15 @@
 """The orchestrator from 2 to 32 ranks, side by side with Ray Train and bare DDP, in one run.
 
     RAY_AUTH_MODE=disabled .venv/bin/python -m benchmarks.bench_scale [--ranks 2 4 8 16 32] [--json F]
-        [--ray-cluster] [--arms product,raytrain,bare] [--product-set failures.hot_spare=true]
+        [--ray-cluster] [--arms product,raytrain,bare] [--product-set failures.hot_spare=true] [--cores 2]
 
 ``--ray-cluster``: the Ray arms connect to one ``ray start --head`` started before any clock (as a job
 submitted to a running cluster does) instead of each starting an embedded Ray.
 
 Per N, each arm (``product``, ``raytrain``, ``bare``: benchmarks/bench_ddp.py's, same model, data and
 global batch 64) runs 3 epochs of the fixed char-LM workload with N ranks sharing this machine's cores
-(``cpus_per_worker`` = 2/N), and rank 1 SIGKILLs itself before step ``2 * steps_per_epoch + 10`` (epoch 3).
+(``cpus_per_worker`` = min(1, 2/N); ``--cores C`` on a machine with C cores: min(1, C/N)), and rank 1
+SIGKILLs itself before step ``2 * steps_per_epoch + 10`` (epoch 3).
 Measured per N and arm, each arm in a fresh process:
 
   first_step_s   submit (the call) -> rank 0's first optimizer step
@@ -69,6 +70,7 @@ def one(
     timeout: float,
     product_set: list[str] | None = None,
     head: RayHead | None = None,
+    cores: int = 2,
 ) -> dict[str, Any]:
     work = os.path.join(scratch, f"{n}{arm}")
     os.makedirs(work)
@@ -83,6 +85,7 @@ def one(
         workers=n,
         product_set=product_set,
         head=head,
+        cores=cores,
     )
     res = run_arm(arm, spec, work, timeout)
     res["workers"] = n
@@ -147,7 +150,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def plot(rows: list[dict[str, Any]], path: str) -> None:
+def plot(rows: list[dict[str, Any]], path: str, cores: int = 2) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -168,9 +171,28 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
         ax.set_title(label, fontsize=10)
         ax.grid(alpha=0.3)
     axes[0].legend()
-    fig.suptitle("cluster vs Ray Train vs bare DDP, char-LM on 2 CPU cores (benchmarks/bench_scale.py)")
+    fig.suptitle(
+        f"cluster vs Ray Train vs bare DDP, char-LM on {cores} CPU cores (benchmarks/bench_scale.py)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=90)
+
+
+def save(path: str | None, rows: list[dict[str, Any]]) -> None:
+    if not path:
+        return
+    with open(path, "w") as fh:
+        json.dump(
+            {
+                "command": " ".join(["python", "-m", "benchmarks.bench_scale", *sys.argv[1:]]),
+                "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+                "rows": rows,
+            },
+            fh,
+            indent=1,
+            default=str,
+        )
 
 
 def main() -> int:
@@ -193,12 +215,19 @@ def main() -> int:
         help="start a `ray start --head` first and connect the Ray arms to it (as `ray job submit` does), "
         "so that no arm's first step includes starting Ray",
     )
+    p.add_argument(
+        "--cores",
+        type=int,
+        default=2,
+        help="CPUs the ranks share (Ray's num_cpus; cpus_per_worker = min(1, cores/N)): 2 on the dev box, "
+        "the machine's cores where there are more",
+    )
     args = p.parse_args()
     arms = [a for a in args.arms.split(",") if a]
     spe = _steps_per_epoch(TASK_ARGS, 64)
     scratch = tempfile.mkdtemp(prefix="bsc", dir="/tmp")
     rows: list[dict[str, Any]] = []
-    head = RayHead(os.path.join(scratch, "head")) if args.ray_cluster else None
+    head = RayHead(os.path.join(scratch, "head"), args.cores) if args.ray_cluster else None
     try:
         if head is not None:
             print(f"starting a Ray head for the Ray arms at {head.address} ...", flush=True)
@@ -207,9 +236,10 @@ def main() -> int:
             failed = 0
             for arm in arms:
                 t = time.time()
-                res = one(arm, n, spe, scratch, args.epochs, args.timeout, args.product_set, head)
+                res = one(arm, n, spe, scratch, args.epochs, args.timeout, args.product_set, head, args.cores)
                 res["arm"] = arm
                 rows.append(res)
+                save(args.json, rows)  # after every arm: a run cut short keeps what it measured
                 status = (
                     f"FAILED {res['error'].splitlines()[0][:200]}"
                     if "error" in res
@@ -226,23 +256,11 @@ def main() -> int:
         shutil.rmtree(scratch, ignore_errors=True)
     print(table(rows))
     try:
-        plot(rows, args.png)
+        plot(rows, args.png, args.cores)
         print(f"wrote {args.png}")
     except ImportError:
         print("matplotlib missing: no PNG (pip install -e '.[plot]')")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(
-                {
-                    "command": " ".join(["python", "-m", "benchmarks.bench_scale", *sys.argv[1:]]),
-                    "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                    "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-                    "rows": rows,
-                },
-                fh,
-                indent=1,
-                default=str,
-            )
+    save(args.json, rows)
     return 0
 
 
