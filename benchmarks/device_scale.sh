@@ -20,6 +20,7 @@ if read -r quota period < /sys/fs/cgroup/cpu.max 2>/dev/null && [ "$quota" != ma
 fi
 echo "== bench_scale on $cores cores ($(( $(date +%s) - t0 )) s in)"
 timeout "${BENCH_TIMEOUT:-540}" python3 -m benchmarks.bench_scale --ranks ${RANKS:-16 4 8} --ray-cluster \
+    --arms "${ARMS:-product,raytrain,bare}" \
     --cores "$cores" --timeout 150 --json "$OUT/scale_device.json" --png "$OUT/scale_device.png" 2>&1 \
     | grep -v -i "warning\|warn(" | tee "$OUT/log"
 rc=$?

@@ -760,6 +760,7 @@ class Driver:
             if salvage is None:
                 self.group.shutdown(graceful=False)
             timing.reused_workers = salvage.count if salvage is not None else 0
+            timing.spare = salvage.spare if salvage is not None else None
             self.group = None
         timing.t_teardown = time.time()
         self._flush_rows(salvage.rows if salvage is not None else [])
@@ -871,6 +872,7 @@ class Driver:
             storage_reads=timing.storage_reads,
             storage_read_bytes=timing.storage_read_bytes,
             reused_workers=timing.reused_workers,
+            spare=timing.spare,
             **{k: round(v, 3) for k, v in phases.items()},
         )
         self._print(

@@ -30,6 +30,8 @@ class Salvage:
     """rank -> what that survivor kept in memory (``failures.recover_from_peers``); None when off."""
     rows: list[dict[str, Any]] = field(default_factory=list)
     """Rank 0's step rows that had not reached the driver when the group failed."""
+    spare: str | None = None
+    """The hot spare's state when it took a dead rank's place: "prepared" or "preparing"; else None."""
 
     @property
     def count(self) -> int:

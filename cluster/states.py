@@ -40,6 +40,8 @@ class RecoveryTiming:
     """The highest step any rank had reached when the failure was seen."""
     t_teardown: float = 0.0
     reused_workers: int = 0
+    spare: str | None = None
+    """The hot spare's state when it took the dead rank's place ("prepared", "preparing"); else None."""
     t_reserved: float = 0.0
     t_ready: float = 0.0
     resume_step: int = 0

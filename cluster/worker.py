@@ -260,6 +260,7 @@ class Worker:
         self._kept: TrainSession | None = None  # a survivor's session after its group failed (peer recovery)
         self._task: Task | None = None
         self._dataset: Any = None
+        self._task_lock = threading.Lock()  # a hot spare's setup can begin while ``prepare`` builds the task
         self._inputs: InputPipeline | None = None
         self._stop = _StopRequest()
         self._last_checkpoint = -1  # the step of the newest checkpoint in this process (rank 0 wrote it)
@@ -277,10 +278,12 @@ class Worker:
     @property
     def task(self) -> Task:
         """The task, built on first use and kept for the life of the process (warm restarts included)."""
-        if self._task is None:
-            self._task = build_task(self.cfg.task, self.cfg.task_args)
-            self._dataset = self._task.build_train_dataset()
-        return self._task
+        with self._task_lock:
+            if self._task is None:
+                task = build_task(self.cfg.task, self.cfg.task_args)
+                self._dataset = task.build_train_dataset()
+                self._task = task
+            return self._task
 
     @property
     def dataset(self) -> Any:

@@ -186,6 +186,9 @@ class RayWorkerGroup:
         timeout = self.cfg.failures.process_group_timeout_s
         self.nodes = self._get([a.node.remote() for a in self.actors], timeout)
         _check_same_code(self._get([a.code.remote() for a in self.actors], timeout), self.nodes)
+        spare_early = self.cfg.failures.hot_spare == "auto"
+        if spare_early:  # it has a CPU share of its own: it prepares while the group rendezvouses
+            self._start_spare(cls)
         if self.cfg.scaling.use_gpu:
             self._share_gpus(timeout)
         ip, port = self._get([self.actors[0].bind_store.remote()], timeout)[0]
@@ -197,7 +200,8 @@ class RayWorkerGroup:
         )
         for info, (node_id, _) in zip(infos, self.nodes):
             info.node_id = node_id
-        self._start_spare(cls)
+        if not spare_early:  # hot_spare=true shares the ranks' CPUs: it prepares after their setup
+            self._start_spare(cls)
         return infos
 
     def _share_gpus(self, timeout: float) -> None:
@@ -542,18 +546,26 @@ class RayWorkerGroup:
             calls[r] = getattr(self.actors[r], method).remote(r, self.world_size, attempt)
         actors = dict(enumerate(self.actors))
         missing = [r for r in range(len(self.actors)) if r not in out]
-        if len(missing) == 1 and self._spare_prepared():
-            # the hot spare becomes the dead rank (it runs in that rank's freed bundle)
+        spare = self._spare_state() if len(missing) == 1 else None
+        spare_call: dict[int, Any] = {}
+        if spare is not None:
+            # The hot spare becomes the dead rank (it runs in that rank's freed bundle). One still preparing
+            # is taken too: it is further along than a process started now would be. Its reset runs beside
+            # its preparation (the actor takes two calls at once); setup waits for the task it builds.
             actors[missing[0]] = self.spare
-            calls[missing[0]] = self.spare.reset.remote(missing[0], self.world_size, attempt)
+            spare_call[missing[0]] = self.spare.reset.remote(missing[0], self.world_size, attempt)
             self.spare = None
         kept: dict[int, Any] = {}
         peers: dict[int, PeerState] = {}
-        if calls:
-            ready, _ = ray.wait(list(calls.values()), num_returns=len(calls), timeout=RELEASE_S)
-            for r, ref in calls.items():
+        # a spare still starting answers once its process is up: as long as a new process would take
+        spare_wait = RELEASE_S if spare == "prepared" else self.cfg.failures.process_group_timeout_s
+        for batch, wait_s in ((calls, RELEASE_S), (spare_call, spare_wait)):
+            if not batch:
+                continue
+            ready, _ = ray.wait(list(batch.values()), num_returns=len(batch), timeout=wait_s)
+            for r, ref in batch.items():
                 if ref not in ready:
-                    logger.warning("rank %d did not reset within %gs: not kept", r, RELEASE_S)
+                    logger.warning("rank %d did not reset within %gs: not kept", r, wait_s)
                     continue
                 try:
                     state = ray.get(ref)
@@ -590,6 +602,7 @@ class RayWorkerGroup:
             actors=kept,
             peers=peers if keep_state else None,
             rows=rows,
+            spare=spare if spare is not None and missing[0] in kept else None,
         )
         self.pg, self.slots, self.extra_pgs, self.actors = None, {}, [], []
         return salvage
@@ -641,6 +654,15 @@ class RayWorkerGroup:
             return None
         assert self._spare_ready is not None
         return float(ray.get(self._spare_ready))
+
+    def _spare_state(self) -> str | None:
+        """ "prepared", "preparing" (its process starting, or importing and loading), or None: no spare, or
+        its preparation failed (then it is gone)."""
+        if self.spare is None or self._spare_ready is None:
+            return None
+        if self._spare_prepared():
+            return "prepared"
+        return "preparing" if self.spare is not None else None
 
     def _spare_prepared(self) -> bool:
         if self.spare is None or self._spare_ready is None:

@@ -321,6 +321,33 @@ def test_hot_spare_replaces_a_killed_worker(reference: dict, tmp_path: object) -
     assert_bitwise_equal(final_model(run_url), reference)
 
 
+def test_a_hot_spare_still_preparing_takes_the_dead_rank_s_place(reference: dict, tmp_path: object) -> None:
+    """Rank 1 dies before step 2, a moment after the group started and with it the spare (hot_spare=true
+    starts it after the ranks' setup): the spare cannot have imported torch yet on 2 cores. It takes the
+    dead rank's place anyway, as further along than a process started then; the run ends bitwise the
+    fault-free one's."""
+    storage = f"{tmp_path}/runs"
+    cfg = load_config(
+        "jobs/configs/tiny_cpu.yaml",
+        overrides(
+            storage,
+            "spare_early",
+            "failures.hot_spare=true",
+            "failures.inject=[{rank: 1, step: 2, kind: crash}]",
+        ),
+    )
+    result = train(cfg, out=io.StringIO())
+    assert result.status == "finished" and result.attempts == 2
+    run_url = result.run_url
+    assert all(e["attempt"] != 0 for e in events(run_url, "spare_ready"))  # taken before it was ready
+    (recovered,) = events(run_url, "recovered")
+    assert recovered["spare"] == "preparing"
+    assert recovered["reused_workers"] == 2  # the survivor and the spare: no process was started
+    first, second = events(run_url, "group_started")
+    assert second["pids"][0] == first["pids"][0] and second["pids"][1] != first["pids"][1]
+    assert_bitwise_equal(final_model(run_url), reference)
+
+
 def test_eight_ranks_one_killed_the_other_seven_keep_their_processes(
     tmp_path: object, ray_local: None
 ) -> None:
