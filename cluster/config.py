@@ -150,8 +150,9 @@ class FailureConfig:
     warm_restart: bool = True
     """After a failure, keep the healthy workers' processes and replace only the lost ones."""
     hot_spare: bool | Literal["auto"] = "auto"
-    """CPU jobs: an idle, prepared process that replaces a dead worker at once. ``auto``: where a node has
-    a free CPU share."""
+    """CPU jobs: an idle, prepared process that replaces a dead worker at once (taken even while it still
+    prepares: it is ahead of a new process). ``auto``: only where a node has a free CPU share, started with
+    the group; ``true``: always, started after the ranks' setup (it shares their CPUs)."""
     recover_from_peers: bool = True
     """A survivor sends its in-memory state to a replacement: at most one step lost, no storage read; else
     the latest checkpoint (docs/failures.md)."""
