@@ -2,7 +2,12 @@
 # bench_scale where ranks have cores of their own: the lent device machine (16 cores; its GPU unused), on CPU.
 #
 # That machine has torch but no Ray and no network. Ray travels as wheels in .whl/ (ignored by git; the
-# Ray wheel without its Java jars, to fit the 64 MiB a call carries):
+# Ray wheel without its Java jars, to fit the 64 MiB a call carries). To make them, here:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux2014_x86_64 -d .whl ray==2.60.0 jsonschema jsonschema-specifications \
+#       referencing rpds-py pydantic pydantic_core annotated-types typing-inspection colorful \
+#       typing_extensions tensorboardX          (the versions of .venv's: pip list)
+#   then unzip the Ray wheel, delete ray/jars and the dashboard's *.map, drop them from its RECORD, zip it again.
 #   run(command="bash benchmarks/device_scale.sh", carry=[".whl"], timeout_s=600)
 # Ray's dashboard extras are not carried; bench_ddp's RayHead then starts the head without a dashboard.
 set -o pipefail

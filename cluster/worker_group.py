@@ -126,6 +126,7 @@ class RayWorkerGroup:
         self.reused = 0
         self.spare: Any = None
         self._spare_ready: Any = None
+        self._spare_node = ""  # the node the hot spare runs on
         self.spare_note = "off"
 
     # --------------------------------------------------------------- resources
@@ -256,6 +257,7 @@ class RayWorkerGroup:
             ),
         ).remote(self.cfg, 0, self.world_size, self.run_url, self.attempt)
         self._spare_ready = self.spare.prepare.remote()
+        self._spare_node = self.nodes[rank][0]
         self.spare_note = "preparing"
 
     def _spare_bundle(self) -> int | None:
@@ -546,6 +548,8 @@ class RayWorkerGroup:
             calls[r] = getattr(self.actors[r], method).remote(r, self.world_size, attempt)
         actors = dict(enumerate(self.actors))
         missing = [r for r in range(len(self.actors)) if r not in out]
+        if self.spare is not None and self._spare_node in lost_nodes:
+            self._kill_spare()  # it went with its node
         spare = self._spare_state() if len(missing) == 1 else None
         spare_call: dict[int, Any] = {}
         if spare is not None:
