@@ -20,7 +20,7 @@ export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH RAY_AUTH_MODE=disabled
 python3 -c "import ray, ray.train.torch, torch, os; print('ray', ray.__version__, 'torch', torch.__version__, 'cpus', os.cpu_count())" \
     || { echo "import failed"; exit 1; }
 cores=$(nproc)
-if read -r quota period < /sys/fs/cgroup/cpu.max 2>/dev/null && [ "$quota" != max ]; then
+if [ -r /sys/fs/cgroup/cpu.max ] && read -r quota period < /sys/fs/cgroup/cpu.max && [ "$quota" != max ]; then
     (( quota / period < cores )) && cores=$(( quota / period ))  # a cgroup quota below the visible CPUs
 fi
 echo "== bench_scale on $cores cores ($(( $(date +%s) - t0 )) s in)"
