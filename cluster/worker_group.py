@@ -553,10 +553,10 @@ class RayWorkerGroup:
         spare = self._spare_state() if len(missing) == 1 else None
         spare_call: dict[int, Any] = {}
         if spare is not None:
-            # The hot spare becomes the dead rank, where it runs (the bundle it was placed in, on a node with
-            # room for it). One still preparing is taken too: it is further along than a process started
-            # now would be. Its reset runs beside its preparation (the actor takes two calls at once);
-            # setup waits for the task it builds.
+            # The hot spare becomes the dead rank, where it runs (the bundle it was placed in: under auto,
+            # on a node with a free CPU share). One still preparing is taken too: it is further along than
+            # a process started now would be. Its reset runs beside its preparation (the actor takes two
+            # calls at once); setup waits for the task it builds.
             actors[missing[0]] = self.spare
             spare_call[missing[0]] = self.spare.reset.remote(missing[0], self.world_size, attempt)
             self.spare = None
