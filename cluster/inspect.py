@@ -63,6 +63,8 @@ class FailureRecord:
     transfer_s: float | None = None
     fallback: str | None = None
     """Why the survivors' state was not used, when it was not."""
+    spare: str | None = None
+    """The hot spare took the dead rank's place: ``prepared``, or ``preparing`` (not yet ready)."""
 
 
 @dataclass(frozen=True)
@@ -326,6 +328,7 @@ def failure_records(events: list[dict[str, Any]]) -> list[FailureRecord]:
                 moved_bytes=None if recovered is None else recovered.get("bytes"),
                 transfer_s=None if recovered is None else recovered.get("transfer_s"),
                 fallback=(recovered or decision or {}).get("fallback"),
+                spare=None if recovered is None else recovered.get("spare"),
             )
         )
     return out
@@ -513,6 +516,7 @@ def format_show(r: RunReport) -> str:
                     "STEP",
                     "DECISION",
                     "SOURCE",
+                    "SPARE",
                     "RESUMED_AT",
                     "RECOVERY_S",
                     "LOST_STEPS",
@@ -527,6 +531,7 @@ def format_show(r: RunReport) -> str:
                         _fmt(f.step),
                         _fmt(f.decision),
                         _fmt(f.source),
+                        _fmt(f.spare),
                         _fmt(f.resume_step),
                         _fmt(f.recovery_s, 1),
                         _fmt(f.lost_steps),

@@ -110,20 +110,24 @@ def test_list_show_plot_on_a_real_run(
     assert "training.epochs: 2" in text and "checkpoint.every_steps: 5" in text
     assert f"global step {steps}" in text and f"latest verified step {steps}" in text
     failure_rows = text.split("failures (1)\n", 1)[1].split("\n\n", 1)[0].splitlines()
-    assert failure_rows[0].split()[:10] == [
+    assert failure_rows[0].split()[:11] == [
         "ATTEMPT",
         "KIND",
         "RANK",
         "STEP",
         "DECISION",
         "SOURCE",
+        "SPARE",
         "RESUMED_AT",
         "RECOVERY_S",
         "LOST_STEPS",
         "MOVED",
     ]
-    attempt, kind, rank, step, decision, source, resumed, recovery_s, lost = failure_rows[1].split()[:9]
-    assert (attempt, kind, rank, decision, source) == ("0", "user_error", "1", "restart", "peers")
+    attempt, kind, rank, step, decision, source, spare, resumed, recovery_s, lost = failure_rows[1].split()[
+        :10
+    ]
+    # the raising rank keeps its process: no rank is missing, so no spare steps in
+    assert (attempt, kind, rank, decision, source, spare) == ("0", "user_error", "1", "restart", "peers", "-")
     assert float(recovery_s) > 0 and int(lost) <= 1 and int(resumed) >= int(step) - 1
     assert "RuntimeError" in failure_rows[1]
     section = text.split("checkpoints (3 committed)\n", 1)[1].split("\n\n", 1)[0].splitlines()

@@ -28,7 +28,7 @@ CRASHED_THEN_FINISHED = [
     ev("failure", kind="worker_died", rank=1, attempt=0, step=12, message="rank 1's process died\ndetails"),
     ev("decision", restart=True, reason="restart 1/3", delay_s=1.0),
     ev("group_started", attempt=1),
-    ev("recovered", kind="worker_died", lost_steps=2, detect_to_first_step_s=3.5),
+    ev("recovered", kind="worker_died", lost_steps=2, detect_to_first_step_s=3.5, spare="preparing"),
     ev("failure", kind="user_error", rank=0, attempt=1, step=20, message="RuntimeError: boom"),
     ev("decision", restart=False, reason="the same RuntimeError happened twice at step 20"),
     ev("run_failed", error="..."),
@@ -57,6 +57,7 @@ def test_failures_pair_with_their_decision_and_recovery() -> None:
     assert (first.kind, first.rank, first.step, first.attempt) == ("worker_died", 1, 12, 0)
     assert first.message == "rank 1's process died"
     assert (first.decision, first.recovery_s, first.lost_steps) == ("restart", 3.5, 2)
+    assert first.spare == "preparing" and second.spare is None  # the hot spare took rank 1's place
     assert second.decision is not None and second.decision.startswith("gave up: the same RuntimeError")
     assert second.recovery_s is None and second.lost_steps is None
 
