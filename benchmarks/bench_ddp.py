@@ -584,9 +584,8 @@ class RayHead:
             f"--temp-dir={temp_dir}",
             "--disable-usage-stats",
         ]
-        if (
-            importlib.util.find_spec("aiohttp_cors") is not None
-        ):  # ray[default]; not a minimal `pip install ray`
+        # The dashboard needs ray[default]'s extras; a minimal `pip install ray` has none of them
+        if importlib.util.find_spec("aiohttp_cors") is not None:
             self.args += [
                 "--dashboard-host=127.0.0.1",
                 f"--dashboard-port={free_port()}",
