@@ -122,13 +122,14 @@ class FaultSpec:
     step: int = 1
     """Global step (1-based optimizer step count) at which it misbehaves, before running that step."""
     kind: Literal[
-        "crash", "hang", "raise", "crash_in_checkpoint", "crash_in_backward", "crash_after_step"
+        "crash", "hang", "raise", "crash_in_checkpoint", "crash_in_backward", "crash_after_step", "slow"
     ] = "crash"
     """``crash``: the process is SIGKILLed before the step; ``hang``: it stops making progress;
     ``raise``: user code raises RuntimeError; ``crash_in_checkpoint``: rank 0 is SIGKILLed while writing
     the checkpoint of that step, after its files and before its manifest; ``crash_in_backward``: SIGKILLed
     in that step's backward pass, while the other ranks wait in its gradient all-reduce;
-    ``crash_after_step``: SIGKILLed right after that step's optimizer update, before the next collective."""
+    ``crash_after_step``: SIGKILLed right after that step's optimizer update, before the next collective;
+    ``slow``: from that step on, the rank sleeps 50 ms at the start of each step (it holds the others up)."""
     attempt: int = 0
     """Attempt (0 = first start, 1 = after the first recovery...) on which it fires; -1 = every attempt."""
 
@@ -156,6 +157,10 @@ class FailureConfig:
     recover_from_peers: bool = True
     """A survivor sends its in-memory state to a replacement: at most one step lost, no storage read; else
     the latest checkpoint (docs/failures.md)."""
+    slow_rank_ratio: float | None = 1.5
+    """Report a rank whose own part of each step (input, forward, backward: before it waits for the others)
+    takes at least this many times the other ranks' median, over three heartbeats in a row: a
+    ``slow_rank`` event and a console line naming its host (docs/failures.md). ``null``: off."""
     process_group_timeout_s: float = 300.0
     """Timeout of collectives in the process group (init_process_group ``timeout``)."""
     preemption: bool = True
@@ -474,6 +479,11 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(
             f"failures.backoff_s={f.backoff_s} must be >= 0 and at most "
             f"failures.backoff_max_s={f.backoff_max_s}"
+        )
+    if f.slow_rank_ratio is not None and not f.slow_rank_ratio > 1:
+        raise ConfigError(
+            f"failures.slow_rank_ratio={f.slow_rank_ratio} must be above 1 (e.g. 1.5: a rank 50% slower than "
+            "the others' median), or null to turn the check off"
         )
     if f.process_group_timeout_s <= 0:
         raise ConfigError(f"failures.process_group_timeout_s={f.process_group_timeout_s} must be positive")

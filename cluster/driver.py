@@ -45,7 +45,7 @@ from cluster.errors import (
 from cluster.group import GroupFactory, Salvage, WorkerGroup
 from cluster.metrics import EventLog, ProgressDisplay, write_metrics
 from cluster.peer import PeerPlan, plan_recovery
-from cluster.policy import Decision, FailurePolicy, HangWatch
+from cluster.policy import Decision, FailurePolicy, HangWatch, SlowRankWatch
 from cluster.preemption import DrainNotice, Move
 from cluster.states import (
     Failed,
@@ -147,6 +147,8 @@ class Driver:
         self._drain_error_logged = False
         self._grow_at: int | None = None  # the step a growing group stops at
         self._next_grow_check = 0.0
+        self._slow: SlowRankWatch | None = None  # the current group's, when failures.slow_rank_ratio is set
+        self._rank_hosts: list[str] = []  # the current group's, by rank
 
     # ------------------------------------------------------------------ public
     def run(self) -> Result:
@@ -357,6 +359,9 @@ class Driver:
             if "not permitted" in note:
                 self._print(f"[{cfg.name}] warning: workers run at niceness {note}")
         self._spare_announced = False
+        ratio = cfg.failures.slow_rank_ratio
+        self._slow = SlowRankWatch(ratio) if ratio is not None and n > 1 else None
+        self._rank_hosts = [i.hostname for i in infos]
         if s.recovery is not None:
             s.recovery.group_started(t_reserved, t_ready, infos, r.global_step)
         if s.move is not None:
@@ -403,7 +408,9 @@ class Driver:
                 if self._move is None:  # epochs shorter than the heartbeat interval: look at epoch ends too
                     self._watch_preemption(s, running=False)
                 return self._epoch_done(s, results, time.time() - t_epoch)
-            hung = watch.update(self._beats())
+            beats = self._beats()
+            hung = watch.update(beats)
+            self._watch_pace(beats, watch.max_step)
             self._announce_spare()
             self._display.live(watch.max_step, self.cfg.training.global_batch_size)
             if hung is not None:
@@ -850,6 +857,36 @@ class Driver:
         if prepare_s is not None:
             self._spare_announced = True
             self.events.append("spare_ready", attempt=self.attempt, prepare_s=round(prepare_s, 3))
+
+    def _watch_pace(self, beats: list[Any], step: int) -> None:
+        """Report a rank that holds the others up (and when it no longer does): events and console."""
+        if self._slow is None:
+            return
+        became, cleared = self._slow.update(beats)
+        name = self.cfg.name
+        for r in became:
+            host = self._rank_hosts[r.rank] if r.rank < len(self._rank_hosts) else ""
+            self.events.append(
+                "slow_rank",
+                rank=r.rank,
+                host=host,
+                step=step,
+                attempt=self.attempt,
+                ratio=round(r.ratio, 2),
+                compute_ms=round(r.compute_s * 1000, 1),
+                others_ms=round(r.others_s * 1000, 1),
+                step_ms=round(r.step_s * 1000, 1),
+            )
+            self._print(
+                f"[{name}] rank {r.rank} on {host} is slow: its own part of each step (input, forward, "
+                f"backward) takes {r.compute_s * 1000:.0f} ms against {r.others_s * 1000:.0f} ms on the "
+                f"other ranks ({r.ratio:.1f}x), and every rank waits for it (steps take "
+                f"{r.step_s * 1000:.0f} ms)"
+            )
+        for r in cleared:
+            host = self._rank_hosts[r.rank] if r.rank < len(self._rank_hosts) else ""
+            self.events.append("slow_rank_cleared", rank=r.rank, host=host, step=step, attempt=self.attempt)
+            self._print(f"[{name}] rank {r.rank} on {host} keeps pace again")
 
     def _heartbeat_every(self, watch: HangWatch) -> float:
         """Seconds between heartbeats: ``poll_s`` for a terminal's live bar, else a twentieth of the hang

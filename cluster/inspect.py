@@ -95,6 +95,22 @@ class RunReport:
     epochs: list[dict[str, Any]] = field(default_factory=list)
     latest_step: dict[str, Any] | None = None
     preemptions: list[PreemptionRecord] = field(default_factory=list)
+    slow_ranks: list[SlowRankRecord] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SlowRankRecord:
+    """A ``slow_rank`` event (a rank that held the others up) and the step it kept pace again, if it did."""
+
+    attempt: int | None
+    rank: int
+    host: str
+    from_step: int | None
+    to_step: int | None
+    """The step of its ``slow_rank_cleared``; None when it stayed slow until its group ended."""
+    ratio: float | None
+    compute_ms: float | None
+    others_ms: float | None
 
 
 @dataclass
@@ -372,6 +388,36 @@ def preemption_records(events: list[dict[str, Any]]) -> list[PreemptionRecord]:
     return out
 
 
+def slow_rank_records(events: list[dict[str, Any]]) -> list[SlowRankRecord]:
+    """Each ``slow_rank`` event with the ``slow_rank_cleared`` of the same rank and attempt after it."""
+    out = []
+    for i, e in enumerate(events):
+        if e.get("event") != "slow_rank":
+            continue
+        key = (e.get("rank"), e.get("attempt"))
+        cleared = next(
+            (
+                c
+                for c in events[i + 1 :]
+                if c.get("event") == "slow_rank_cleared" and (c.get("rank"), c.get("attempt")) == key
+            ),
+            None,
+        )
+        out.append(
+            SlowRankRecord(
+                e.get("attempt"),
+                int(e.get("rank", -1)),
+                str(e.get("host", "")),
+                e.get("step"),
+                None if cleared is None else cleared.get("step"),
+                e.get("ratio"),
+                e.get("compute_ms"),
+                e.get("others_ms"),
+            )
+        )
+    return out
+
+
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """``{"training": {"epochs": 3}}`` -> ``{"training.epochs": 3}`` (the keys ``--set`` takes)."""
     out: dict[str, Any] = {}
@@ -423,6 +469,7 @@ def report(storage: Storage, verify_all: bool = False) -> RunReport:
         epochs=epochs,
         latest_step=steps[-1] if steps else None,
         preemptions=preemption_records(events),
+        slow_ranks=slow_rank_records(events),
     )
 
 
@@ -583,6 +630,28 @@ def format_show(r: RunReport) -> str:
     for e in r.other_events:
         detail = {k: v for k, v in e.items() if k not in ("time", "event")}
         out.append(f"  {_when(e.get('time'))} {e.get('event')}: {json.dumps(detail, default=str)[:200]}")
+    if r.slow_ranks:
+        out += ["", f"slow ranks ({len(r.slow_ranks)}: every rank waited for them at each step)"]
+        out.append(
+            table(
+                ["ATTEMPT", "RANK", "HOST", "FROM_STEP", "TO_STEP", "RATIO", "OWN_MS", "OTHERS_MS"],
+                [
+                    [
+                        _fmt(w.attempt),
+                        str(w.rank),
+                        w.host[:24],
+                        _fmt(w.from_step),
+                        _fmt(w.to_step) if w.to_step is not None else "group end",
+                        _fmt(w.ratio, 2),
+                        _fmt(w.compute_ms, 1),
+                        _fmt(w.others_ms, 1),
+                    ]
+                    for w in r.slow_ranks
+                ],
+                indent="  ",
+            )
+        )
+        out.append("  (OWN_MS: its own part of a step, before it waits for the others; OTHERS_MS: theirs)")
     committed = [c for c in r.checkpoints if c.files]
     out += ["", f"checkpoints ({len(committed)} committed)"]
     if r.checkpoints:

@@ -93,3 +93,72 @@ class HangWatch:
                     f"{ {r: s for r, (s, _) in sorted(self._last.items())} }, lowest rank {lowest}"
                 )
         return None
+
+
+SLOW_ROUNDS = 3
+"""Heartbeat rounds in a row a rank must be slow (or no longer slow) before it is reported (or cleared)."""
+SLOW_MIN_GAP_S = 0.002
+"""A slow rank's own part must also be this much longer than the others' median: below it, a ratio is
+timer noise on a tiny step."""
+
+
+@dataclass(frozen=True)
+class SlowRank:
+    rank: int
+    ratio: float
+    """Its own part of a step against the other ranks' median."""
+    compute_s: float
+    others_s: float
+    """The other ranks' median of their own part."""
+    step_s: float
+    """Its median whole step (every rank waits for the slowest, so about everyone's step)."""
+
+
+class SlowRankWatch:
+    """Finds ranks that hold the others up: a rank whose own part of each step (``Pace.compute_s``) takes at
+    least ``ratio`` times the median of the other ranks' in ``SLOW_ROUNDS`` heartbeat rounds in a row is
+    slow; after as many rounds below it, it is no longer. One sort per round: O(N log N) in the ranks."""
+
+    def __init__(self, ratio: float) -> None:
+        self.ratio = ratio
+        self.slow: dict[int, SlowRank] = {}
+        self._streak: dict[int, int] = {}  # rank -> rounds in a row on the other side of its state
+
+    def update(self, beats: list[Heartbeat | None]) -> tuple[list[SlowRank], list[SlowRank]]:
+        """One heartbeat round; returns the ranks newly slow and the ranks no longer slow."""
+        paced = sorted(
+            (b.pace.compute_s, rank, b.pace.step_s)
+            for rank, b in enumerate(beats)
+            if b is not None and b.pace is not None
+        )
+        if len(paced) < 2:
+            return [], []
+        values = [c for c, _, _ in paced]
+        became, cleared = [], []
+        for i, (compute_s, rank, step_s) in enumerate(paced):
+            others = _median_without(values, i)
+            slow_now = compute_s >= self.ratio * others and compute_s - others >= SLOW_MIN_GAP_S
+            if slow_now == (rank in self.slow):
+                self._streak.pop(rank, None)
+                continue
+            streak = self._streak[rank] = self._streak.get(rank, 0) + 1
+            if streak < SLOW_ROUNDS:
+                continue
+            del self._streak[rank]
+            if slow_now:
+                ratio = compute_s / others if others > 0 else float("inf")
+                self.slow[rank] = SlowRank(rank, ratio, compute_s, others, step_s)
+                became.append(self.slow[rank])
+            else:
+                cleared.append(self.slow.pop(rank))
+        return became, cleared
+
+
+def _median_without(values: list[float], i: int) -> float:
+    """The median of sorted ``values`` without its ``i``-th element, in O(1)."""
+    m = len(values) - 1
+
+    def at(j: int) -> float:  # the j-th element of the list without index i
+        return values[j] if j < i else values[j + 1]
+
+    return at(m // 2) if m % 2 else (at(m // 2 - 1) + at(m // 2)) / 2

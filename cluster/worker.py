@@ -38,6 +38,7 @@ from cluster.checkpoint import CheckpointStore, CheckpointWriter, CommitRecord, 
 from cluster.config import FaultSpec, JobConfig, parse_fault_env
 from cluster.data import LEGACY_ORDER, ORDERS, TORCH_ORDER, InputPipeline, ResumableDistributedSampler
 from cluster.errors import CheckpointError, WorkerError
+from cluster.pace import Pace, StepPace
 from cluster.peer import PeerPlan, PeerState, Transfer, broadcast_state, state_digest
 from cluster.process import set_niceness, tune_process
 from cluster.storage import PROBE_ENV, Storage, check_probe
@@ -209,8 +210,12 @@ class Heartbeat:
     rows: list[dict[str, Any]] = field(default_factory=list)
     """Rank 0's per-step metric rows logged since its previous heartbeat (streamed, so that a failure loses
     none of them); empty on other ranks."""
+    pace: Pace | None = None
+    """This rank's steps since its previous heartbeat (None when it took none): how long its own part took."""
 
 
+SLOW_FAULT_S = 0.05
+"""The injected ``slow`` fault's sleep at the start of each step."""
 HOLD_STEPS = 2
 """A rank asked to stop (``Worker.hold_stop``) trains at most this many more steps before it learns where."""
 
@@ -266,6 +271,7 @@ class Worker:
         self._last_checkpoint = -1  # the step of the newest checkpoint in this process (rank 0 wrote it)
         self.gpu_index = 0  # this rank's GPU among the visible ones (``use_gpus``)
         self.faults = self._faults()
+        self._pace = StepPace()
         self.allocator = tune_process(cfg)  # before the process group and task make their threads
 
     def _faults(self) -> list[FaultSpec]:
@@ -407,6 +413,10 @@ class Worker:
         elif self.rank != 0 and writer is not None:
             writer.close(flush=True)
             writer = None
+        # DDP's buffer broadcast at each forward is a wait for the others inside the step: left out of the
+        # rank's own part. (Not under training.compile: hooks would be traced into the compiled forward.)
+        syncing = any(True for _ in raw_model.buffers()) and not cfg.training.compile
+        self._pace.attach(raw_model, device, syncing=model if syncing else None)
         dist.barrier()
         t["ready"] = time.time()
         self._last_step_at = time.time()
@@ -740,6 +750,9 @@ class Worker:
                 break
             self._maybe_inject_fault()
             t0 = time.perf_counter()
+            self._pace.begin()
+            if self.faults and any(f.kind == "slow" and f.step <= self.global_step + 1 for f in self.faults):
+                time.sleep(SLOW_FAULT_S)
             self._seed_step(s, _step_seed(tcfg.seed, self.global_step, self.rank))
             self.task.current = StepInfo(
                 epoch, self.global_step + 1, self.rank, self.world_size, self.attempt
@@ -753,6 +766,7 @@ class Worker:
             for k, v in metrics.items():
                 metric_sums[k] = metric_sums.get(k, 0.0) + v
             dt = time.perf_counter() - t0
+            self._pace.end(dt)
             now = time.time()
             if first_step_at is None:
                 first_step_at = now
@@ -937,6 +951,7 @@ class Worker:
             self._max_step_time,
             self._in_epoch,
             rows=self._drain_rows(),
+            pace=self._pace.take(),
         )
 
     def _drain_rows(self) -> list[dict[str, Any]]:
@@ -980,6 +995,7 @@ class Worker:
             self._discard(self._kept)
             self._kept = None
         self.session = None
+        self._pace.close()
         self._store = None
         self.rank, self.world_size, self.attempt = rank, world_size, attempt
         self.global_step = self.epoch = self.step_in_epoch = 0

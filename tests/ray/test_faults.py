@@ -19,7 +19,7 @@ import torch
 from cluster import load_config, train
 from cluster.checkpoint import CheckpointStore
 from cluster.errors import TrainingFailedError
-from cluster.inspect import read_events
+from cluster.inspect import format_show, read_events, report
 from cluster.metrics import read_metrics
 from cluster.storage import Storage
 
@@ -215,6 +215,39 @@ def test_hang_is_detected_by_heartbeat_and_recovered(reference: dict, tmp_path: 
     # detected by the 3 s heartbeat timeout, long before the 120 s process-group timeout would fire
     assert failure["time"] - started < 30
     assert_bitwise_equal(final_model(run_url), reference)
+
+
+def test_a_slow_rank_is_named_with_its_host_and_cleared_never_on_the_others(
+    tmp_path: object, ray_local: None
+) -> None:
+    """Rank 1 sleeps 50 ms more than rank 0 in each step from step 4: every step waits for it, and the
+    driver says which rank it is, on which host, from the ranks' own parts of their steps."""
+    out = io.StringIO()
+    cfg = load_config(
+        "jobs/configs/tiny_cpu.yaml",
+        overrides(
+            f"{tmp_path}/r",
+            "slow",
+            "failures.inject=[{rank: 1, step: 4, kind: slow}]",
+            "failures.hang_timeout_floor_s=20",  # heartbeats every second (a twentieth of it)
+            "training.max_steps_per_epoch=30",
+        ),
+    )
+    result = train(cfg, out=out)
+    assert result.status == "finished" and result.attempts == 1
+    slow = events(result.run_url, "slow_rank")
+    assert [e["rank"] for e in slow] == [1], slow
+    (e,) = slow
+    host = events(result.run_url, "group_started")[0]["hosts"][0]
+    assert e["host"] == host and e["attempt"] == 0 and e["step"] >= 4
+    # its own part: the task's 50 ms sleep, the fault's 50 ms and its compute; the others': 50 ms + compute
+    assert e["compute_ms"] - e["others_ms"] > 35 and e["ratio"] >= 1.5
+    assert e["step_ms"] >= e["compute_ms"] * 0.9  # every rank's step lasts about as long as the slowest
+    assert f"rank 1 on {host} is slow" in out.getvalue()
+    assert not events(result.run_url, "slow_rank_cleared")  # slow to the end
+    shown = format_show(report(Storage(result.run_url)))  # python -m cluster show
+    assert "slow ranks (1: every rank waited for them at each step)" in shown
+    assert "group end" in shown
 
 
 def test_user_exception_once_is_retried(tmp_path: object, ray_local: None) -> None:

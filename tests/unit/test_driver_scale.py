@@ -13,14 +13,16 @@ import pytest
 from cluster.driver import Driver
 from cluster.errors import Failure
 from cluster.group import Salvage
+from cluster.pace import Pace
 from cluster.peer import PeerState
-from cluster.policy import HangWatch
+from cluster.policy import HangWatch, SlowRankWatch
 from cluster.worker import EpochResult, Heartbeat
 from tests.unit.test_driver import STEPS, ScriptedGroup, kinds, make
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
-N, DEAD = 1000, 50
+N, DEAD, SLOW = 1000, 50, 7
+EVEN, BEHIND = Pace(0.010, 0.021, 5), Pace(0.020, 0.021, 5)  # rank SLOW's own part takes twice the others'
 
 
 class BigGroup(ScriptedGroup):
@@ -35,7 +37,10 @@ class BigGroup(ScriptedGroup):
     def run_epoch(self, epoch: int, start_step: int) -> None:
         super().run_epoch(epoch, start_step)
         step = epoch * STEPS + 1
-        self._beats = [Heartbeat(r, step, 0.0, 0.01, True) for r in range(self.world_size)]
+        self._beats = [
+            Heartbeat(r, step, 0.0, 0.01, True, pace=BEHIND if r == SLOW else EVEN)
+            for r in range(self.world_size)
+        ]
         self._results = []
 
     def heartbeats(self, timeout: float = 2.0) -> list[Heartbeat | None]:
@@ -94,10 +99,14 @@ def test_thousand_ranks_epochs_heartbeats_storm_and_resize() -> None:
     second = ScriptedGroup.instances[1]
     assert second.adopted.peers is not None and len(second.adopted.peers) == N - DEAD
     assert second.calls[0] == "epoch1@2"  # resumed from the survivors' step, not from epoch 1's start
+    slow = [e for e in ev if e["event"] == "slow_rank"]
+    assert slow and {e["rank"] for e in slow} == {SLOW}, slow  # found among 1,000, and only it
+    assert slow[0]["ratio"] == 2.0
 
 
 def cpu_per_round(n: int, rounds: int = 100) -> float:
-    """Driver CPU seconds of one heartbeat round (collect the beats, update the hang watch) at ``n`` ranks."""
+    """Driver CPU seconds of one heartbeat round (collect the beats, update the hang watch and the slow-rank
+    watch) at ``n`` ranks."""
     driver = big_driver({}, n)
     driver._prepare_storage()
     group = BigGroup(driver.cfg, driver.run_url, 0, {}, [n], {})
@@ -106,14 +115,18 @@ def cpu_per_round(n: int, rounds: int = 100) -> float:
     group.run_epoch(0, 0)
     driver.group = group
     watch = HangWatch(driver.cfg.failures, 0)
+    driver._slow = SlowRankWatch(2.5)  # measured, never reporting: its cost is the same either way
     t0 = time.process_time()
     for _ in range(rounds):
-        watch.update(driver._beats())
+        beats = driver._beats()
+        watch.update(beats)
+        driver._watch_pace(beats, 0)
     return (time.process_time() - t0) / rounds
 
 
 def test_heartbeat_round_cost_is_linear_in_ranks() -> None:
-    """O(N) per round, not O(N^2): 10x the ranks costs about 10x, far from 100x. (A loose bound on a
+    """O(N) per round (the slow-rank watch's sort: O(N log N)), not O(N^2): 10x the ranks costs about 10x,
+    far from 100x. (A loose bound on a
     ratio measured in one process, not a timing target.)"""
     cpu_per_round(100)  # warm up
     small = min(cpu_per_round(100) for _ in range(3))

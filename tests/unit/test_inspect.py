@@ -13,6 +13,7 @@ from cluster.inspect import (
     flatten,
     preemption_records,
     run_status,
+    slow_rank_records,
 )
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
@@ -124,3 +125,19 @@ def test_preemption_notices_pair_with_what_followed() -> None:
     assert shrunk.reason == "the notice leaves 5s"
     assert (checkpointed.action, checkpointed.stop_step, checkpointed.lost_steps) == ("checkpointed", 60, 0)
     assert pending.action == "pending" and pending.notice_s is None
+
+
+def test_slow_ranks_pair_with_the_step_they_kept_pace_again() -> None:
+    times = {"compute_ms": 90.0, "others_ms": 50.0}
+    events = [
+        ev("slow_rank", rank=3, host="gpu-a", step=120, attempt=0, ratio=1.8, **times),
+        ev("slow_rank", rank=5, host="gpu-b", step=130, attempt=0, ratio=2.1, **times),
+        ev("slow_rank_cleared", rank=3, host="gpu-a", step=400, attempt=0),
+        ev("group_started", attempt=1),
+        ev("slow_rank", rank=3, host="gpu-c", step=700, attempt=1, ratio=1.6, **times),
+    ]
+    first, second, third = slow_rank_records(events)
+    assert (first.rank, first.host, first.from_step, first.to_step) == (3, "gpu-a", 120, 400)
+    assert first.ratio == 1.8 and first.compute_ms == 90.0
+    assert (second.rank, second.to_step) == (5, None)  # slow until its group ended
+    assert (third.attempt, third.rank, third.to_step) == (1, 3, None)  # attempt 0's clear is not its own
