@@ -748,6 +748,7 @@ _TRAINING_MODULES = (
     "dist.py",
     "errors.py",
     "group.py",
+    "pace.py",
     "parquet.py",
     "peer.py",
     "preemption.py",
