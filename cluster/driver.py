@@ -45,7 +45,7 @@ from cluster.errors import (
 from cluster.group import GroupFactory, Salvage, WorkerGroup
 from cluster.metrics import EventLog, ProgressDisplay, write_metrics
 from cluster.peer import PeerPlan, plan_recovery
-from cluster.policy import Decision, FailurePolicy, HangWatch, SlowRankWatch
+from cluster.policy import Decision, FailurePolicy, HangWatch, SlowRank, SlowRankWatch
 from cluster.preemption import DrainNotice, Move
 from cluster.states import (
     Failed,
@@ -876,12 +876,14 @@ class Driver:
                 compute_ms=round(r.compute_s * 1000, 1),
                 others_ms=round(r.others_s * 1000, 1),
                 step_ms=round(r.step_s * 1000, 1),
+                input_ms=round(r.input_s * 1000, 1),
+                others_input_ms=round(r.others_input_s * 1000, 1),
             )
             self._print(
-                f"[{name}] rank {r.rank} on {host} is slow: its own part of each step (input, forward, "
-                f"backward) takes {r.compute_s * 1000:.0f} ms against {r.others_s * 1000:.0f} ms on the "
-                f"other ranks ({r.ratio:.1f}x), and every rank waits for it (steps take "
-                f"{r.step_s * 1000:.0f} ms)"
+                f"[{name}] rank {r.rank} on {host} is slow: its own part of each step takes "
+                f"{r.compute_s * 1000:.0f} ms against {r.others_s * 1000:.0f} ms on the other ranks "
+                f"({r.ratio:.1f}x), and every rank waits for it (steps take {r.step_s * 1000:.0f} ms). "
+                + _slow_cause(r)
             )
         for r in cleared:
             host = self._rank_hosts[r.rank] if r.rank < len(self._rank_hosts) else ""
@@ -964,6 +966,16 @@ GROW_POLL_S = 2.0
 DRAIN_POLL_S = 1.0
 """At most one read of Ray's draining nodes (one GCS query) per this many seconds; reads happen at
 heartbeats and epoch ends."""
+
+
+def _slow_cause(r: SlowRank) -> str:
+    """Where a slow rank's extra time goes: waiting for its batches, or its forward and backward."""
+    extra_input = r.input_s - r.others_input_s
+    extra = r.compute_s - r.others_s
+    where = f"Its wait for input: {r.input_s * 1000:.0f} ms against {r.others_input_s * 1000:.0f} ms"
+    if extra > 0 and extra_input >= extra / 2:
+        return f"{where}: its input pipeline (storage, loader processes: training.loader_workers)."
+    return f"{where}: its forward and backward (its device or host)."
 
 
 def _fmt_bytes(n: int) -> str:

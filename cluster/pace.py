@@ -43,6 +43,8 @@ class Pace:
     step_s: float
     """The whole step, waits for the other ranks included."""
     steps: int
+    input_s: float = 0.0
+    """Of ``compute_s``, the host's wait for the step's batches (the input pipeline's share)."""
 
 
 class StepPace:
@@ -60,8 +62,9 @@ class StepPace:
         self._done: Any = None
         self._entered: Any = None  # the wrapper's forward began (its buffer broadcast comes next)
         self._waits: list[tuple[Any, Any]] = []  # this step's (wrapper's forward, module's forward)
-        self._pending: deque[tuple[Any, Any, list[tuple[Any, Any]], float]] = deque()
-        self._samples: list[tuple[float, float]] = []
+        self._pending: deque[tuple[Any, Any, list[tuple[Any, Any]], float, float]] = deque()
+        self._input_s = 0.0  # this step's wait for its batches
+        self._samples: list[tuple[float, float, float]] = []
         self._lock = threading.Lock()
 
     def attach(self, model: nn.Module, device: torch.device, syncing: nn.Module | None = None) -> None:
@@ -121,7 +124,12 @@ class StepPace:
     def begin(self) -> None:
         self._done = self._entered = None
         self._waits = []
+        self._input_s = 0.0
         self._start = self._now() if self._params else None
+
+    def fetched(self, seconds: float) -> None:
+        """The step waited ``seconds`` for a batch (host time; called per micro-batch)."""
+        self._input_s += seconds
 
     def end(self, step_s: float) -> None:
         start, done, waits = self._start, self._done, self._waits
@@ -140,19 +148,19 @@ class StepPace:
         if done is None:
             return
         if not self._cuda:
-            self._add(done - start - sum(b - a for a, b in waits), step_s)
+            self._add(done - start - sum(b - a for a, b in waits), step_s, self._input_s)
             return
-        self._pending.append((start, done, waits, step_s))
+        self._pending.append((start, done, waits, step_s, self._input_s))
         while len(self._pending) > MAX_PENDING:
             self._pending.popleft()
         while self._pending and self._pending[0][1].query():
-            s, d, w, wall = self._pending.popleft()
+            s, d, w, wall, fetch = self._pending.popleft()
             ms = s.elapsed_time(d) - sum(a.elapsed_time(b) for a, b in w)
-            self._add(ms / 1000.0, wall)
+            self._add(ms / 1000.0, wall, fetch)
 
-    def _add(self, compute_s: float, step_s: float) -> None:
+    def _add(self, compute_s: float, step_s: float, input_s: float) -> None:
         with self._lock:
-            self._samples.append((compute_s, step_s))
+            self._samples.append((compute_s, step_s, input_s))
 
     def take(self) -> Pace | None:
         with self._lock:
@@ -160,9 +168,10 @@ class StepPace:
         if not samples:
             return None
         return Pace(
-            compute_s=statistics.median(c for c, _ in samples),
-            step_s=statistics.median(w for _, w in samples),
+            compute_s=statistics.median(c for c, _, _ in samples),
+            step_s=statistics.median(w for _, w, _ in samples),
             steps=len(samples),
+            input_s=statistics.median(i for _, _, i in samples),
         )
 
     def close(self) -> None:

@@ -3,6 +3,7 @@ stopped advancing). Pure logic, tested without processes."""
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass
 
@@ -112,6 +113,9 @@ class SlowRank:
     """The other ranks' median of their own part."""
     step_s: float
     """Its median whole step (every rank waits for the slowest, so about everyone's step)."""
+    input_s: float = 0.0
+    """Of ``compute_s``, its wait for its batches: high when its input pipeline is what is slow."""
+    others_input_s: float = 0.0
 
 
 class SlowRankWatch:
@@ -127,15 +131,16 @@ class SlowRankWatch:
     def update(self, beats: list[Heartbeat | None]) -> tuple[list[SlowRank], list[SlowRank]]:
         """One heartbeat round; returns the ranks newly slow and the ranks no longer slow."""
         paced = sorted(
-            (b.pace.compute_s, rank, b.pace.step_s)
+            (b.pace.compute_s, rank, b.pace.step_s, b.pace.input_s)
             for rank, b in enumerate(beats)
             if b is not None and b.pace is not None
         )
         if len(paced) < 2:
             return [], []
-        values = [c for c, _, _ in paced]
+        values = [c for c, _, _, _ in paced]
+        inputs: list[float] = []  # sorted, built only when a rank turns slow
         became, cleared = [], []
-        for i, (compute_s, rank, step_s) in enumerate(paced):
+        for i, (compute_s, rank, step_s, input_s) in enumerate(paced):
             others = _median_without(values, i)
             slow_now = compute_s >= self.ratio * others and compute_s - others >= SLOW_MIN_GAP_S
             if slow_now == (rank in self.slow):
@@ -147,7 +152,9 @@ class SlowRankWatch:
             del self._streak[rank]
             if slow_now:
                 ratio = compute_s / others if others > 0 else float("inf")
-                self.slow[rank] = SlowRank(rank, ratio, compute_s, others, step_s)
+                inputs = inputs or sorted(p[3] for p in paced)
+                others_input = _median_without(inputs, bisect.bisect_left(inputs, input_s))
+                self.slow[rank] = SlowRank(rank, ratio, compute_s, others, step_s, input_s, others_input)
                 became.append(self.slow[rank])
             else:
                 cleared.append(self.slow.pop(rank))

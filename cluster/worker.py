@@ -824,7 +824,9 @@ class Worker:
             first.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
         metrics: dict[str, Any] = {}
         for i, chunk in enumerate(chunks):
+            t_fetch = time.perf_counter()
             host = self.inputs.fetch(chunk, (self.epoch, self.step_in_epoch, i))
+            self._pace.fetched(time.perf_counter() - t_fetch)
             batch = self.task.move_to_device(host, s.device)  # non-blocking from pinned memory on CUDA
             sync = i == len(chunks) - 1
             with s.model.no_sync() if not sync else contextlib.nullcontext():

@@ -244,6 +244,8 @@ def test_a_slow_rank_is_named_with_its_host_and_cleared_never_on_the_others(
     assert e["compute_ms"] - e["others_ms"] > 35 and e["ratio"] >= 1.5
     assert e["step_ms"] >= e["compute_ms"] * 0.9  # every rank's step lasts about as long as the slowest
     assert f"rank 1 on {host} is slow" in out.getvalue()
+    assert "its forward and backward" in out.getvalue()  # the fault sleeps outside the input fetch
+    assert e["input_ms"] < 10 and e["others_input_ms"] < 10
     assert not events(result.run_url, "slow_rank_cleared")  # slow to the end
     shown = format_show(report(Storage(result.run_url)))  # python -m cluster show
     assert "slow ranks (1: every rank waited for them at each step)" in shown

@@ -18,9 +18,12 @@ from cluster.worker import Heartbeat
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
 
-def beats(*compute_ms: float | None) -> list[Heartbeat | None]:
+def beats(*compute_ms: float | None, input_ms: dict[int, float] | None = None) -> list[Heartbeat | None]:
+    waits = input_ms or {}
     return [
-        None if ms is None else Heartbeat(r, 10, 0.0, 0.1, True, pace=Pace(ms / 1000, 0.1, 8))
+        None
+        if ms is None
+        else Heartbeat(r, 10, 0.0, 0.1, True, pace=Pace(ms / 1000, 0.1, 8, waits.get(r, 1.0) / 1000))
         for r, ms in enumerate(compute_ms)
     ]
 
@@ -37,6 +40,18 @@ def test_a_rank_slow_for_three_rounds_is_reported_once_and_cleared_after_three_a
     became, cleared = watch.update(beats(40, 41, 42, 39))
     assert not became and [r.rank for r in cleared] == [2]
     assert not watch.slow
+
+
+def test_a_slow_rank_s_report_says_whether_its_input_or_its_compute_is_slow() -> None:
+    from cluster.driver import _slow_cause
+
+    for input_ms, cause in ((55.0, "its input pipeline"), (3.0, "its forward and backward")):
+        watch = SlowRankWatch(1.5)
+        for _ in range(SLOW_ROUNDS):
+            became, _ = watch.update(beats(40, 95, 41, input_ms={0: 2.0, 1: input_ms, 2: 4.0}))
+        (r,) = became
+        assert (r.rank, r.input_s, r.others_input_s) == (1, input_ms / 1000, 0.003)  # the others' median
+        assert cause in _slow_cause(r)
 
 
 def test_a_streak_broken_by_one_round_at_pace_starts_again() -> None:
@@ -75,7 +90,8 @@ def test_slow_rank_ratio_must_be_above_one_or_null() -> None:
 def _step(model: nn.Module, pace: StepPace, sleep_s: float = 0.0) -> None:
     t0 = time.perf_counter()
     pace.begin()
-    time.sleep(sleep_s)  # inside the rank's own part (say, a slow input fetch)
+    time.sleep(sleep_s)  # inside the rank's own part: a slow input fetch
+    pace.fetched(sleep_s)
     model(torch.randn(4, 8)).sum().backward()
     time.sleep(0.01)  # after its last gradient: the wait for the peers, not its own part
     pace.end(time.perf_counter() - t0)
@@ -93,6 +109,7 @@ def test_step_pace_measures_to_the_last_gradient_and_keeps_few_hooks() -> None:
     p = pace.take()
     assert p is not None and p.steps == 5
     assert 0.03 <= p.compute_s < p.step_s - 0.009  # the 10 ms after the last gradient is not its own part
+    assert p.input_s == 0.03  # the median step's wait for its batch
     assert pace.take() is None  # taken: the next heartbeat starts a new window
 
 
