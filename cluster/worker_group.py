@@ -45,8 +45,10 @@ class _WorkerActor:
         with worker_env(cfg):
             self.worker = Worker(cfg, rank, world_size, run_url, attempt)
         # DistributedDataParallel's first construction imports torch._dynamo (~820 modules, 0.7-2.6 s on
-        # 2 cores), in setup after the rendezvous: on every rank's critical path. Import it now, while the
-        # driver rendezvouses the group, so that setup finds it loaded.
+        # 2 cores): on every rank's critical path. Import it now, while the driver checks the ranks' code
+        # and hands out the store's address. (init_process_group waits for an import in progress: it
+        # touches torch._dynamo when the module is in sys.modules. So the import overlaps the driver's
+        # round trips, not the rendezvous itself.)
         threading.Thread(target=_import_dynamo, name="cluster-import-dynamo", daemon=True).start()
 
     def node(self) -> tuple[str, str]:
