@@ -103,6 +103,8 @@ class Result:
     failures: list[dict[str, Any]] = field(default_factory=list)
     world_size: int = 0
     error: str | None = None
+    slow_ranks: list[dict[str, Any]] = field(default_factory=list)
+    """Each ``slow_rank`` event of this submission: a rank that held the others up (docs/failures.md)."""
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -149,6 +151,7 @@ class Driver:
         self._next_grow_check = 0.0
         self._slow: SlowRankWatch | None = None  # the current group's, when failures.slow_rank_ratio is set
         self._rank_hosts: list[str] = []  # the current group's, by rank
+        self._slow_reports: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ public
     def run(self) -> Result:
@@ -866,19 +869,20 @@ class Driver:
         name = self.cfg.name
         for r in became:
             host = self._rank_hosts[r.rank] if r.rank < len(self._rank_hosts) else ""
-            self.events.append(
-                "slow_rank",
-                rank=r.rank,
-                host=host,
-                step=step,
-                attempt=self.attempt,
-                ratio=round(r.ratio, 2),
-                compute_ms=round(r.compute_s * 1000, 1),
-                others_ms=round(r.others_s * 1000, 1),
-                step_ms=round(r.step_s * 1000, 1),
-                input_ms=round(r.input_s * 1000, 1),
-                others_input_ms=round(r.others_input_s * 1000, 1),
-            )
+            report = {
+                "rank": r.rank,
+                "host": host,
+                "step": step,
+                "attempt": self.attempt,
+                "ratio": round(r.ratio, 2),
+                "compute_ms": round(r.compute_s * 1000, 1),
+                "others_ms": round(r.others_s * 1000, 1),
+                "step_ms": round(r.step_s * 1000, 1),
+                "input_ms": round(r.input_s * 1000, 1),
+                "others_input_ms": round(r.others_input_s * 1000, 1),
+            }
+            self.events.append("slow_rank", **report)
+            self._slow_reports.append(report)
             self._print(
                 f"[{name}] rank {r.rank} on {host} is slow: its own part of each step takes "
                 f"{r.compute_s * 1000:.0f} ms against {r.others_s * 1000:.0f} ms on the other ranks "
@@ -958,6 +962,7 @@ class Driver:
             failures=[{"kind": f.kind, "rank": f.rank, "message": f.message[:2000]} for f in self.failures],
             world_size=self.world_size,
             error=str(error) if error is not None else None,
+            slow_ranks=list(self._slow_reports),
         )
 
 

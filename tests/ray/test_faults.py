@@ -238,6 +238,7 @@ def test_a_slow_rank_is_named_with_its_host_and_cleared_never_on_the_others(
     slow = events(result.run_url, "slow_rank")
     assert [e["rank"] for e in slow] == [1], slow
     (e,) = slow
+    assert result.slow_ranks == [{k: v for k, v in e.items() if k not in ("time", "event")}]  # Python API
     host = events(result.run_url, "group_started")[0]["hosts"][0]
     assert e["host"] == host and e["attempt"] == 0 and e["step"] >= 4
     # its own part: the task's 50 ms sleep, the fault's 50 ms and its compute; the others': 50 ms + compute
