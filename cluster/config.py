@@ -114,6 +114,22 @@ class CheckpointConfig:
 
 
 @dataclass
+class EvaluationConfig:
+    """Evaluation on the task's ``build_eval_dataset`` (nothing happens for a task without one)."""
+
+    every_epochs: int = 1
+    """Evaluate at the end of every this many epochs (0 disables; the last epoch always evaluates)."""
+    every_steps: int = 0
+    """Also evaluate every this many optimizer steps (0 disables step evaluations)."""
+    batch_size: int | None = None
+    """Samples per evaluation forward on one rank; ``null``: the training micro-batch at
+    ``scaling.num_workers``. The results do not depend on the world size (docs/runs.md)."""
+    max_batches: int | None = None
+    """Evaluate only the first this many batches of the eval set (a quick look at a large one); ``null``:
+    all of it."""
+
+
+@dataclass
 class FaultSpec:
     """A fault to inject on purpose, to rehearse recovery. Fires on the first attempt only."""
 
@@ -200,6 +216,7 @@ class JobConfig:
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     failures: FailureConfig = field(default_factory=FailureConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
@@ -467,6 +484,7 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"checkpoint.every_epochs={c.every_epochs} must be 0 (off) or positive")
     if c.keep_last < 1:
         raise ConfigError(f"checkpoint.keep_last={c.keep_last} must be at least 1 (resuming needs one)")
+    _validate_evaluation(cfg.evaluation)
     if f.max_failures < -1:
         raise ConfigError(f"failures.max_failures={f.max_failures} must be -1 (unlimited) or at least 0")
     if f.hang_timeout_s is not None and f.hang_timeout_s <= 0:
@@ -510,6 +528,19 @@ def validate(cfg: JobConfig) -> None:
             )
         if spec.step < 1:
             raise ConfigError(f"failures.inject[{i}].step={spec.step} must be at least 1")
+
+
+def _validate_evaluation(e: EvaluationConfig) -> None:
+    if e.every_epochs < 0:
+        raise ConfigError(f"evaluation.every_epochs={e.every_epochs} must be 0 (off) or positive")
+    if e.every_steps < 0:
+        raise ConfigError(f"evaluation.every_steps={e.every_steps} must be 0 (off) or positive")
+    if e.batch_size is not None and e.batch_size < 1:
+        raise ConfigError(
+            f"evaluation.batch_size={e.batch_size} must be positive, or null for the training micro-batch"
+        )
+    if e.max_batches is not None and e.max_batches < 1:
+        raise ConfigError(f"evaluation.max_batches={e.max_batches} must be positive, or null for all")
 
 
 def _validate_tracking(tr: TrackingConfig) -> None:

@@ -42,6 +42,7 @@ from cluster.errors import (
     StorageError,
     TrainingFailedError,
 )
+from cluster.evaluate import eval_due
 from cluster.group import GroupFactory, Salvage, WorkerGroup
 from cluster.metrics import EventLog, ProgressDisplay, write_metrics
 from cluster.peer import PeerPlan, plan_recovery
@@ -105,6 +106,9 @@ class Result:
     error: str | None = None
     slow_ranks: list[dict[str, Any]] = field(default_factory=list)
     """Each ``slow_rank`` event of this submission: a rank that held the others up (docs/failures.md)."""
+    evaluation: dict[str, Any] | None = None
+    """The latest evaluation of this submission (``global_step``, ``epoch``, ``loss`` and the task's eval
+    metrics); None when the task has no eval set or none ran."""
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -152,6 +156,8 @@ class Driver:
         self._slow: SlowRankWatch | None = None  # the current group's, when failures.slow_rank_ratio is set
         self._rank_hosts: list[str] = []  # the current group's, by rank
         self._slow_reports: list[dict[str, Any]] = []
+        self._evaluated: set[int] = set()  # global steps whose evaluation was recorded (any submission)
+        self.last_eval: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ public
     def run(self) -> Result:
@@ -200,6 +206,9 @@ class Driver:
             previous = None
         if previous is not None:
             _check_compatible(previous.get("config", {}), self.cfg)
+            self._evaluated = {
+                int(r["global_step"]) for r in self.events.records() if r.get("event") == "evaluation"
+            }
         else:
             info = {
                 "name": self.cfg.name,
@@ -386,7 +395,10 @@ class Driver:
         assert self.group is not None and self._display is not None
         group = self.group
         if s.dispatched_at is None:
-            group.run_epoch(s.epoch, s.start_step)
+            if self._eval_missing(s.epoch * self.steps_per_epoch + s.start_step):
+                group.run_epoch(s.epoch, s.start_step, evaluate_first=True)
+            else:
+                group.run_epoch(s.epoch, s.start_step)
         t_epoch = s.dispatched_at or time.time()
         watch = HangWatch(self.cfg.failures, self.global_step)
         while True:
@@ -459,11 +471,11 @@ class Driver:
             "checkpoint_stall_s": sum(c.stall_s for c in head.commits),
             "world_size": self.world_size,
             "attempt": self.attempt,
-            "lr": head.step_rows[-1]["lr"] if head.step_rows else None,
+            "lr": next((r["lr"] for r in reversed(head.step_rows) if r.get("lr") is not None), None),
             **{f"m_{k}": v for k, v in head.metrics.items()},
         }
         streamed, self._rows = self._rows, []  # tracked as their heartbeats brought them
-        unstreamed = [{"kind": "step", **r} for r in head.step_rows] + [epoch_row]
+        unstreamed = [{"kind": "step", **r} for r in self._arrived(head.step_rows)] + [epoch_row]
         write_metrics(
             self.storage, [{"kind": "step", **r} for r in streamed] + unstreamed, head.epoch, self.attempt
         )
@@ -735,7 +747,7 @@ class Driver:
         """A stopped epoch's step rows (its end is recorded by the epoch that finishes it), and the
         ``recovered`` event when this was the first stretch of training after a failure."""
         streamed, self._rows = self._rows, []
-        rows = [{"kind": "step", **r} for r in streamed] + [{"kind": "step", **r} for r in head.step_rows]
+        rows = [{"kind": "step", **r} for r in streamed + self._arrived(head.step_rows)]
         if rows:
             write_metrics(self.storage, rows, head.epoch, self.attempt)
             self._track(rows[len(streamed) :])
@@ -834,12 +846,56 @@ class Driver:
         beats = self.group.heartbeats(timeout=timeout)
         for b in beats:
             if b is not None and b.rows:
-                self._rows.extend(b.rows)
-                self._track([{"kind": "step", **r} for r in b.rows])  # live in TensorBoard / MLflow
+                rows = self._arrived(b.rows)
+                self._rows.extend(rows)
+                self._track([{"kind": "step", **r} for r in rows])  # live in TensorBoard / MLflow
         return beats
+
+    def _arrived(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Metric rows as rank 0 hands them over; each new evaluation is recorded (event, console line)
+        and one repeated after a recovery is dropped: it was recorded once already."""
+        if not any(r.get("kind") == "eval" for r in rows):
+            return rows
+        out = []
+        for r in rows:
+            if r.get("kind") == "eval":
+                if r["global_step"] in self._evaluated:
+                    continue
+                self._record_eval(r)
+            out.append(r)
+        return out
+
+    def _record_eval(self, row: dict[str, Any]) -> None:
+        step = int(row["global_step"])
+        self._evaluated.add(step)
+        metrics = {k[2:]: v for k, v in row.items() if k.startswith("m_")}
+        self.last_eval = {"global_step": step, "epoch": row["epoch"], "loss": row["loss"], **metrics}
+        self.events.append(
+            "evaluation",
+            global_step=step,
+            epoch=row["epoch"],
+            loss=row["loss"],
+            metrics=metrics,
+            samples=row.get("eval_samples"),
+            seconds=round(row["step_time_s"], 3),
+            world_size=row.get("world_size"),
+        )
+        shown = "".join(f", {k} {v:.4g}" for k, v in metrics.items())
+        self._print(
+            f"[{self.cfg.name}] eval at step {step} (epoch {row['epoch'] + 1}): loss {row['loss']:.4f}{shown}"
+            f" ({row.get('eval_samples')} samples, {row['step_time_s']:.1f}s)"
+        )
+
+    def _eval_missing(self, step: int) -> bool:
+        """An evaluation is due right at ``step`` (where training resumes) and was never recorded: the
+        failure took it (or its result) with it."""
+        return eval_due(step, self.steps_per_epoch, self.cfg.training.epochs, self.cfg.evaluation) and (
+            step not in self._evaluated
+        )
 
     def _flush_rows(self, more: list[dict[str, Any]]) -> None:
         """After a failure: write every step row rank 0 logged before it (nothing recorded is lost)."""
+        more = self._arrived(more)
         rows, self._rows = self._rows + more, []
         if rows:
             step_rows = [{"kind": "step", **r} for r in rows]
@@ -963,6 +1019,7 @@ class Driver:
             world_size=self.world_size,
             error=str(error) if error is not None else None,
             slow_ranks=list(self._slow_reports),
+            evaluation=self.last_eval,
         )
 
 

@@ -55,8 +55,9 @@ class WorkerGroup(Protocol):
         With a peer plan, rank ``peers.source`` sends its state to the others instead of a checkpoint load."""
         ...
 
-    def run_epoch(self, epoch: int, start_step: int) -> None:
-        """Dispatch an epoch to every rank and return at once; ``poll`` collects it."""
+    def run_epoch(self, epoch: int, start_step: int, evaluate_first: bool = False) -> None:
+        """Dispatch an epoch to every rank and return at once; ``poll`` collects it. ``evaluate_first``:
+        evaluate before the first step (the evaluation due there was lost with a failure)."""
         ...
 
     def poll(self, timeout: float) -> list[EpochResult] | None:

@@ -96,6 +96,8 @@ class RunReport:
     latest_step: dict[str, Any] | None = None
     preemptions: list[PreemptionRecord] = field(default_factory=list)
     slow_ranks: list[SlowRankRecord] = field(default_factory=list)
+    evaluations: list[dict[str, Any]] = field(default_factory=list)
+    """The ``eval`` metric rows, one per evaluated step, in step order."""
 
 
 @dataclass(frozen=True)
@@ -457,6 +459,7 @@ def report(storage: Storage, verify_all: bool = False) -> RunReport:
     metric_rows = table.to_pylist()
     epochs = [r for r in metric_rows if r["kind"] == "epoch"]
     steps = [r for r in metric_rows if r["kind"] == "step"]
+    evaluations = eval_rows(metric_rows)
     return RunReport(
         summary=summary,
         config=config,
@@ -470,7 +473,17 @@ def report(storage: Storage, verify_all: bool = False) -> RunReport:
         latest_step=steps[-1] if steps else None,
         preemptions=preemption_records(events),
         slow_ranks=slow_rank_records(events),
+        evaluations=evaluations,
     )
+
+
+def eval_rows(metric_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One ``eval`` row per evaluated step (the first, should a step appear twice), in step order."""
+    seen: dict[int, dict[str, Any]] = {}
+    for row in metric_rows:
+        if row.get("kind") == "eval":
+            seen.setdefault(int(row["global_step"]), row)
+    return [seen[k] for k in sorted(seen)]
 
 
 # ---------------------------------------------------------------------- formatting
@@ -706,4 +719,36 @@ def format_show(r: RunReport) -> str:
         )
     if r.latest_step is None and not r.epochs:
         out.append("  none yet")
+    if r.evaluations:
+        out += ["", *format_evaluations(r.evaluations)]
     return "\n".join(out)
+
+
+def format_evaluations(rows: list[dict[str, Any]], last: int = 10) -> list[str]:
+    """The ``evaluations`` section of ``show``: the latest ``last`` and the one with the lowest loss."""
+    names = sorted({k for row in rows for k, v in row.items() if k.startswith("m_") and v is not None})
+    out = [f"evaluations ({len(rows)})"]
+    shown = rows[-last:]
+    if len(rows) > len(shown):
+        out.append(f"  ({len(rows) - len(shown)} earlier evaluations not shown)")
+    out.append(
+        table(
+            ["STEP", "EPOCH", "LOSS", *(n[2:].upper() for n in names), "SAMPLES", "SECONDS", "WORLD"],
+            [
+                [
+                    str(e["global_step"]),
+                    str(e["epoch"] + 1),
+                    _fmt(e["loss"]),
+                    *(_fmt(e.get(n)) for n in names),
+                    _fmt(e.get("eval_samples")),
+                    _fmt(e["step_time_s"], 2),
+                    str(e["world_size"]),
+                ]
+                for e in shown
+            ],
+            indent="  ",
+        )
+    )
+    best = min(rows, key=lambda e: (e["loss"], e["global_step"]))
+    out.append(f"  lowest eval loss: {_fmt(best['loss'])} at step {best['global_step']}")
+    return out

@@ -5,19 +5,21 @@ Metrics schema (``metrics/steps-*.parquet``, one file per epoch and attempt; rea
 
 | column | type | meaning |
 |---|---|---|
-| kind | string | ``step`` (every ``training.log_every_steps``) or ``epoch`` (one row per finished epoch) |
+| kind | string | ``step`` (every ``training.log_every_steps``), ``epoch`` (one per epoch), ``eval`` |
 | time | double | unix time the row was taken |
 | global_step | int64 | optimizer steps done so far |
 | epoch | int64 | epoch the row belongs to |
 | step_in_epoch | int64 | steps done within that epoch |
-| loss | double | step: rank 0's loss on its shard; epoch: mean loss over all ranks and steps |
+| loss | double | step: rank 0's loss on its shard; epoch: mean over all ranks and steps; eval: eval set's |
 | lr | double | learning rate of the first parameter group |
-| step_time_s | double | step: seconds of that step; epoch: mean seconds per step |
-| samples_per_s | double | global samples per second |
+| step_time_s | double | step: seconds of that step; epoch: mean seconds per step; eval: seconds it took |
+| samples_per_s | double | global samples per second (eval: eval samples per second) |
 | checkpoint_stall_s | double | seconds training was blocked by a checkpoint at that step (0 if none) |
 | world_size | int64 | workers in the group |
 | attempt | int64 | 0 for the first start, +1 per recovery or resize |
-| m_<name> | double | a ``Task.compute_loss`` extra metric: step: rank 0's value; epoch: its mean; else null |
+| eval_samples | int64 | eval: samples evaluated; else null |
+| m_<name> | double | a ``Task.compute_loss`` extra metric: step: rank 0's value; epoch: its mean; eval: the
+  ``Task.compute_eval`` metric's mean over the eval set; else null |
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ SCHEMA = pa.schema(
         ("checkpoint_stall_s", pa.float64()),
         ("world_size", pa.int64()),
         ("attempt", pa.int64()),
+        ("eval_samples", pa.int64()),
     ]
 )
 

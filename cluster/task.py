@@ -49,6 +49,12 @@ class Task:
        the metrics Parquet as ``m_<name>``, per logged step and as the epoch's mean. The worker scales the
        loss so that DDP's gradient average equals the gradient of the mean over the global batch.
 
+    5. Evaluation, when ``build_eval_dataset()`` (called once per process, like the training set) returns a
+       dataset: at the points ``evaluation.*`` names, ``compute_eval(model, batch)`` on the unwrapped model
+       in eval mode under ``torch.no_grad()``, once per eval batch; it defaults to ``compute_loss``. Its loss
+       and extra metrics are averaged over every eval sample and recorded as ``kind="eval"`` rows
+       (docs/runs.md). It must not change the model: training continues from the same state.
+
     A warm restart (a healthy worker kept after another rank failed) keeps the Task instance and its
     dataset; the model, optimizer and scheduler are always built anew and loaded from the checkpoint, so
     state kept on the Task between steps must not be needed for exact resume. The hot spare runs steps 1-2
@@ -69,6 +75,11 @@ class Task:
     def build_train_dataset(self) -> Any:
         raise NotImplementedError
 
+    def build_eval_dataset(self) -> Any:
+        """Optional: the held-out set evaluated at ``evaluation.*`` (same kinds as the training set, read
+        in order, every sample once across the ranks); None (the default) for no evaluation."""
+        return None
+
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         lr = float(self.args.get("lr", 1e-3))
         return torch.optim.AdamW(
@@ -84,6 +95,11 @@ class Task:
     def compute_loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
         raise NotImplementedError
 
+    def compute_eval(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The mean loss and extra metrics of one eval batch (the unwrapped model, in eval mode, under
+        ``torch.no_grad()``). Override for metrics only worth their cost at evaluation."""
+        return self.compute_loss(model, batch)
+
     def move_to_device(self, batch: Any, device: torch.device) -> Any:
         if isinstance(batch, torch.Tensor):
             return batch.to(device, non_blocking=True)
@@ -92,6 +108,29 @@ class Task:
         if isinstance(batch, dict):
             return {k: self.move_to_device(v, device) for k, v in batch.items()}
         return batch
+
+
+def extra_metrics(extra: Any, where: str = "compute_loss") -> dict[str, Any]:
+    """The extra metrics of one ``compute_loss`` (or ``compute_eval``) call: scalars as floats or detached
+    0-d tensors."""
+    if not isinstance(extra, dict):
+        raise TypeError(
+            f"Task.{where} must return (loss, dict of scalar metrics); the second item is a "
+            f"{type(extra).__name__}. Return an empty dict for no extra metrics"
+        )
+    out: dict[str, Any] = {}
+    for k, v in extra.items():
+        if isinstance(v, torch.Tensor):
+            if v.numel() != 1:
+                raise TypeError(
+                    f"Task.{where} metric {k!r} is a tensor of shape {tuple(v.shape)}, not a scalar"
+                )
+            out[str(k)] = v.detach().reshape(()).double()
+        elif isinstance(v, (int, float)):
+            out[str(k)] = float(v)
+        else:
+            raise TypeError(f"Task.{where} metric {k!r} is a {type(v).__name__}, not a number")
+    return out
 
 
 def load_task_class(path: str) -> type[Task]:

@@ -9,8 +9,9 @@ when a sink starts failing and ``tracking_resumed`` when it works again, and at 
 
 Names: a step row's values go to ``train/<column>`` (``loss``, ``lr``, ``samples_per_s``, ``step_time_s``,
 ``checkpoint_stall_s``, ``world_size``, ``attempt`` and every ``m_<name>`` as ``train/<name>``), an epoch
-row's to ``epoch/<column>``; the x axis is the global step, so a resumed or recovered run continues one
-curve. Failures, decisions and recoveries are text (TensorBoard) or tags (MLflow).
+row's to ``epoch/<column>``, an evaluation's to ``eval/loss``, ``eval/<name>`` and ``eval/seconds``; the x
+axis is the global step, so a resumed or recovered run continues one curve. Failures, decisions and
+recoveries are text (TensorBoard) or tags (MLflow).
 """
 
 from __future__ import annotations
@@ -60,6 +61,15 @@ BACKOFF_MAX_S = 30.0
 
 def scalars(row: dict[str, Any]) -> Iterable[tuple[str, float]]:
     """(name, value) of one metric row, named as the module docstring says."""
+    if row.get("kind") == "eval":  # an evaluation: its loss, metrics and duration
+        if row.get("loss") is not None:
+            yield "eval/loss", float(row["loss"])
+        if row.get("step_time_s") is not None:
+            yield "eval/seconds", float(row["step_time_s"])
+        for key, value in row.items():
+            if key.startswith("m_") and value is not None:
+                yield f"eval/{key[2:]}", float(value)
+        return
     prefix = "epoch" if row.get("kind") == "epoch" else "train"
     for key, value in row.items():
         if value is None or isinstance(value, str):
@@ -279,7 +289,7 @@ class TensorBoardSink:
                 writer = self._writer()
                 for tag, value in scalars(item.data):
                     writer.add_scalar(tag, value, step, walltime=item.data.get("time"))
-                flush |= item.data.get("kind") == "epoch"
+                flush |= item.data.get("kind") in ("epoch", "eval")
             elif item.kind == "event":
                 record = item.data
                 if record.get("event") == "group_started":

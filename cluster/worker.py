@@ -37,12 +37,13 @@ from cluster import dist as cdist
 from cluster.checkpoint import CheckpointStore, CheckpointWriter, CommitRecord, step_dir
 from cluster.config import FaultSpec, JobConfig, parse_fault_env
 from cluster.data import LEGACY_ORDER, ORDERS, TORCH_ORDER, InputPipeline, ResumableDistributedSampler
-from cluster.errors import CheckpointError, WorkerError
+from cluster.errors import CheckpointError, ConfigError, WorkerError
+from cluster.evaluate import EvalResult, eval_due, evaluate
 from cluster.pace import Pace, StepPace
 from cluster.peer import PeerPlan, PeerState, Transfer, broadcast_state, state_digest
 from cluster.process import set_niceness, tune_process
 from cluster.storage import PROBE_ENV, Storage, check_probe
-from cluster.task import StepInfo, Task, build_task
+from cluster.task import StepInfo, Task, build_task, extra_metrics
 
 Scheduler = torch.optim.lr_scheduler.LRScheduler
 
@@ -265,6 +266,7 @@ class Worker:
         self._kept: TrainSession | None = None  # a survivor's session after its group failed (peer recovery)
         self._task: Task | None = None
         self._dataset: Any = None
+        self._eval_dataset: Any = None
         self._task_lock = threading.Lock()  # a hot spare's setup can begin while ``prepare`` builds the task
         self._inputs: InputPipeline | None = None
         self._stop = _StopRequest()
@@ -288,6 +290,7 @@ class Worker:
             if self._task is None:
                 task = build_task(self.cfg.task, self.cfg.task_args)
                 self._dataset = task.build_train_dataset()
+                self._eval_dataset = _checked_eval_set(task.build_eval_dataset(), self.cfg.task)
                 self._task = task
             return self._task
 
@@ -680,15 +683,19 @@ class Worker:
         return self.session
 
     # ----------------------------------------------------------------- training
-    def run_epoch(self, epoch: int, start_step: int, dispatch: int = 0) -> EpochResult:
+    def run_epoch(
+        self, epoch: int, start_step: int, dispatch: int = 0, evaluate_first: bool = False
+    ) -> EpochResult:
         """Train epoch ``epoch`` from step ``start_step`` to its end (or to the step a stop request names);
-        checkpoint as configured. ``dispatch`` numbers the driver's calls (see :class:`_StopRequest`)."""
+        evaluate and checkpoint as configured. ``dispatch`` numbers the driver's calls (see
+        :class:`_StopRequest`). ``evaluate_first``: the evaluation due at the resume point was lost with a
+        failure (the driver never got it): run it before the first step."""
         if self._stop.dispatch != dispatch:
             self._stop = _StopRequest()  # a request for an earlier call
         try:
             session = self._session()
             cdist.bind_thread(session.device)  # Ray may run this call on another thread than setup's
-            return self._run_epoch(session, epoch, start_step, dispatch)
+            return self._run_epoch(session, epoch, start_step, dispatch, evaluate_first)
         except WorkerError as exc:
             err = exc.with_traceback(None)
         except Exception as exc:
@@ -728,7 +735,9 @@ class Worker:
                 raise RuntimeError(f"asked to stop, but not told at which step within {timeout:g}s")
         return st.at is not None and self.global_step >= st.at
 
-    def _run_epoch(self, s: TrainSession, epoch: int, start_step: int, dispatch: int = 0) -> EpochResult:
+    def _run_epoch(
+        self, s: TrainSession, epoch: int, start_step: int, dispatch: int = 0, evaluate_first: bool = False
+    ) -> EpochResult:
         tcfg = self.cfg.training
         set_niceness(self.cfg.scaling.worker_niceness)  # threads Ray started since (a few syscalls)
         s.sampler.set_epoch(epoch, start_step)
@@ -744,6 +753,8 @@ class Worker:
         first_step_at = None
         steps = samples = 0
         stopped = False
+        if evaluate_first and self._eval_dataset is not None:
+            self._evaluate(s)
         for local_idx in s.sampler:
             if self._stop.dispatch == dispatch and self._stopping(dispatch):
                 stopped = True
@@ -773,6 +784,9 @@ class Worker:
             self._max_step_time = max(self._max_step_time, dt)
             self._last_step_at = now
             stall = 0.0
+            mid_epoch = self.step_in_epoch < s.sampler.steps_per_epoch  # the epoch's end evaluates below
+            if self._eval_dataset is not None and mid_epoch and self._eval_due(s):
+                self._evaluate(s)
             if self._checkpoint_due_at_step(s):
                 stall = self._checkpoint(s)
             if self.rank == 0 and (self.global_step % tcfg.log_every_steps == 0 or stall):
@@ -780,6 +794,8 @@ class Worker:
         st = self._stop
         if st.dispatch == dispatch and not st.known.wait(self.cfg.failures.process_group_timeout_s):
             raise RuntimeError("asked to stop, but not told at which step")  # the epoch ended first
+        if not stopped and self._eval_dataset is not None and self._eval_due(s):
+            self._evaluate(s)  # before the checkpoint of the same step
         if st.dispatch == dispatch and st.checkpoint and self._last_checkpoint != self.global_step:
             self._checkpoint(s)  # the stop asked for one (a move without peers, a notice too short)
         elif not stopped and self._checkpoint_due_at_epoch_end(epoch):
@@ -836,7 +852,7 @@ class Worker:
                 scale = len(chunk) * self.world_size / tcfg.global_batch_size
                 (loss * scale if scale != 1.0 else loss).backward()
             total += loss.detach().double() * len(chunk)
-            for k, v in _extra_metrics(extra).items():
+            for k, v in extra_metrics(extra).items():
                 metrics[k] = metrics.get(k, 0.0) + v * (len(chunk) / len(local_idx))
         if tcfg.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(s.model.parameters(), tcfg.grad_clip)
@@ -876,6 +892,54 @@ class Worker:
             "attempt": self.attempt,
             **{f"m_{k}": float(v) for k, v in metrics.items()},
         }
+
+    # ----------------------------------------------------------------- evaluation
+    def _eval_due(self, s: TrainSession) -> bool:
+        return eval_due(
+            self.global_step, s.sampler.steps_per_epoch, self.cfg.training.epochs, self.cfg.evaluation
+        )
+
+    def _evaluate(self, s: TrainSession) -> EvalResult:
+        """Evaluate at this step, on every rank together (``cluster.evaluate``); rank 0 queues the result as
+        an ``eval`` metric row for the driver."""
+
+        def alive() -> None:
+            self._last_step_at = time.time()  # each eval batch is progress for the hang watch
+
+        res = evaluate(
+            self.task,
+            s.raw_model,
+            self._eval_dataset,
+            self.cfg,
+            self.global_step,
+            self.rank,
+            self.world_size,
+            s.device,
+            autocast=lambda: self._autocast(s),
+            progress=alive,
+        )
+        alive()
+        if self.rank == 0:
+            spe = s.sampler.steps_per_epoch
+            at_end = self.step_in_epoch == 0 and self.global_step > 0  # resumed at an epoch's end
+            epoch, in_epoch = (self.epoch - 1, spe) if at_end else (self.epoch, self.step_in_epoch)
+            self._rows.append(
+                {
+                    "kind": "eval",
+                    "time": time.time(),
+                    "global_step": self.global_step,
+                    "epoch": epoch,
+                    "step_in_epoch": in_epoch,
+                    "loss": res.loss,
+                    "step_time_s": res.seconds,
+                    "samples_per_s": res.samples / res.seconds if res.seconds > 0 else 0.0,
+                    "world_size": self.world_size,
+                    "attempt": self.attempt,
+                    "eval_samples": res.samples,
+                    **{f"m_{k}": v for k, v in res.metrics.items()},
+                }
+            )
+        return res
 
     # ----------------------------------------------------------------- checkpoints
     def _checkpoint_due_at_step(self, s: TrainSession) -> bool:
@@ -1035,26 +1099,12 @@ def _unsendable(optimizer: torch.optim.Optimizer) -> str:
     return ""
 
 
-def _extra_metrics(extra: Any) -> dict[str, Any]:
-    """The extra metrics of one ``compute_loss`` call: scalars as floats or detached 0-d tensors."""
-    if not isinstance(extra, dict):
-        raise TypeError(
-            f"Task.compute_loss must return (loss, dict of scalar metrics); the second item is a "
-            f"{type(extra).__name__}. Return an empty dict for no extra metrics"
+def _checked_eval_set(dataset: Any, task: str) -> Any:
+    if dataset is not None and len(dataset) == 0:
+        raise ConfigError(
+            f"{task}.build_eval_dataset() returned an empty dataset; return None for no evaluation"
         )
-    out: dict[str, Any] = {}
-    for k, v in extra.items():
-        if isinstance(v, torch.Tensor):
-            if v.numel() != 1:
-                raise TypeError(
-                    f"Task.compute_loss metric {k!r} is a tensor of shape {tuple(v.shape)}, not a scalar"
-                )
-            out[str(k)] = v.detach().reshape(()).double()
-        elif isinstance(v, (int, float)):
-            out[str(k)] = float(v)
-        else:
-            raise TypeError(f"Task.compute_loss metric {k!r} is a {type(v).__name__}, not a number")
-    return out
+    return dataset
 
 
 class _CrashingStore(CheckpointStore):

@@ -74,8 +74,10 @@ class _WorkerActor:
     def setup(self, host: str, port: int, peers: PeerPlan | None = None) -> SetupInfo:
         return self.worker.setup(host, port, peers).info
 
-    def run_epoch(self, epoch: int, start_step: int, dispatch: int = 0) -> EpochResult:
-        return self.worker.run_epoch(epoch, start_step, dispatch)
+    def run_epoch(
+        self, epoch: int, start_step: int, dispatch: int = 0, evaluate_first: bool = False
+    ) -> EpochResult:
+        return self.worker.run_epoch(epoch, start_step, dispatch, evaluate_first)
 
     def hold_stop(self, dispatch: int) -> int:
         return self.worker.hold_stop(dispatch)
@@ -288,9 +290,11 @@ class RayWorkerGroup:
             ray.get(ready[0])  # raises on error
         return ray.get(refs)
 
-    def run_epoch(self, epoch: int, start_step: int) -> None:
+    def run_epoch(self, epoch: int, start_step: int, evaluate_first: bool = False) -> None:
         self._dispatch += 1
-        self._pending = [a.run_epoch.remote(epoch, start_step, self._dispatch) for a in self.actors]
+        self._pending = [
+            a.run_epoch.remote(epoch, start_step, self._dispatch, evaluate_first) for a in self.actors
+        ]
 
     def stop(self, checkpoint: bool) -> int:
         """Stop every rank at the same step boundary of the running epoch (``Worker.hold_stop``, then
@@ -749,6 +753,7 @@ _TRAINING_MODULES = (
     "data.py",
     "dist.py",
     "errors.py",
+    "evaluate.py",
     "group.py",
     "pace.py",
     "parquet.py",

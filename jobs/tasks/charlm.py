@@ -3,6 +3,7 @@ source files: text that exists on every machine with Python, no download needed.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -78,12 +79,14 @@ class CharTransformer(nn.Module):
 
 class CharLMTask(Task):
     """task_args: context (64), d_model (64), n_layers (2), n_heads (4), dropout (0.0), max_chars (300000),
-    lr (3e-3), warmup_steps (20), optimizer ("adamw" or "sgd")."""
+    lr (3e-3), warmup_steps (20), optimizer ("adamw" or "sgd"), eval_chars (0: no eval set; else the
+    corpus text right after the training text, held out and evaluated at ``evaluation.*``)."""
 
     def __init__(self, **args: Any) -> None:
         super().__init__(**args)
         self.context = int(args.get("context", 64))
         self.max_chars = int(args.get("max_chars", 300_000))
+        self.eval_chars = int(args.get("eval_chars", 0))
 
     def build_model(self) -> nn.Module:
         a = self.args
@@ -97,7 +100,21 @@ class CharLMTask(Task):
         )
 
     def build_train_dataset(self) -> TensorBatchDataset:
-        data = torch.frombuffer(bytearray(load_corpus(self.max_chars)), dtype=torch.uint8).long()
+        return self._sequences(load_corpus(self.max_chars))
+
+    def build_eval_dataset(self) -> TensorBatchDataset | None:
+        if self.eval_chars <= 0:
+            return None
+        held_out = load_corpus(self.max_chars + self.eval_chars)[self.max_chars :]
+        if len(held_out) <= self.context:
+            raise ValueError(
+                f"eval_chars={self.eval_chars}: the corpus has {len(held_out)} characters after the "
+                f"first max_chars={self.max_chars}, fewer than one sequence of {self.context + 1}"
+            )
+        return self._sequences(held_out)
+
+    def _sequences(self, text: bytes) -> TensorBatchDataset:
+        data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
         n = (len(data) - 1) // self.context
         x = data[: n * self.context].view(n, self.context)
         y = data[1 : n * self.context + 1].view(n, self.context)
@@ -120,3 +137,10 @@ class CharLMTask(Task):
         logits = model(x)
         loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
         return loss, {}
+
+    def compute_eval(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        x, y = batch
+        logits = model(x).float()
+        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        acc = (logits.argmax(-1) == y).double().mean()
+        return loss, {"bits_per_char": loss.double() / math.log(2), "acc": acc}

@@ -96,7 +96,7 @@ class ScriptedGroup:
             for r in range(world_size)
         ]
 
-    def run_epoch(self, epoch: int, start_step: int) -> None:
+    def run_epoch(self, epoch: int, start_step: int, evaluate_first: bool = False) -> None:
         self.calls.append(f"epoch{epoch}@{start_step}")
         self.epoch, self.start_step = epoch, start_step
         self.stop_step: int | None = None

@@ -1,0 +1,172 @@
+"""Evaluation on the task's held-out set, spread over the ranks, with results that do not depend on them.
+
+The eval set is cut, in its own order, into batches of ``evaluation.batch_size`` samples (the last one
+shorter); batch ``b`` is evaluated by rank ``b % world_size``, on the unwrapped model (no DDP collectives,
+so ranks may hold different numbers of batches), in eval mode, under ``torch.no_grad()``, with torch's
+generator seeded from (seed, step, batch). Each rank sends its per-batch means (a few floats per batch)
+with one ``all_gather_object``; every rank then sums them in batch order. So every sample counts once, the
+mean is over samples (not over ranks' means), and the result is bitwise the same at any world size and
+on every rank.
+
+Before it, rank 0's buffers (BatchNorm's running statistics, which each rank updates from its own shard)
+are broadcast into every rank's model, and each rank's own are put back after: every rank evaluates the
+model a checkpoint holds, and training goes on exactly as without the evaluation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cluster.config import EvaluationConfig, JobConfig
+from cluster.data import fetch_batch
+from cluster.task import Task, extra_metrics
+
+
+@dataclass
+class EvalResult:
+    loss: float
+    metrics: dict[str, float] = field(default_factory=dict)
+    samples: int = 0
+    batches: int = 0
+    seconds: float = 0.0
+
+
+def eval_batch_size(cfg: JobConfig) -> int:
+    """Samples per eval batch: ``evaluation.batch_size``, else the training micro-batch at the configured
+    world size (fixed, so that a resized group cuts the eval set the same way)."""
+    if cfg.evaluation.batch_size is not None:
+        return cfg.evaluation.batch_size
+    t = cfg.training
+    return max(1, t.global_batch_size // (cfg.scaling.num_workers * t.grad_accum_steps))
+
+
+def eval_due(step: int, steps_per_epoch: int, epochs: int, e: EvaluationConfig) -> bool:
+    """Whether an evaluation belongs after global step ``step`` (the end of each ``every_steps``-th step,
+    of each ``every_epochs``-th epoch, and of the last epoch)."""
+    if step <= 0 or steps_per_epoch <= 0:
+        return False
+    if e.every_steps and step % e.every_steps == 0:
+        return True
+    if step % steps_per_epoch:
+        return False
+    done = step // steps_per_epoch  # epochs finished
+    return done == epochs or bool(e.every_epochs and done % e.every_epochs == 0)
+
+
+def _seed(seed: int, step: int, batch: int) -> int:
+    return (seed * 1_000_003 + step * 7_919 + batch * 15_485_863 + 0x5EED) % (2**63 - 1)
+
+
+def evaluate(
+    task: Task,
+    model: nn.Module,
+    dataset: Any,
+    cfg: JobConfig,
+    step: int,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    progress: Callable[[], None] = lambda: None,
+) -> EvalResult:
+    """Evaluate ``model`` (unwrapped, the same on every rank) on ``dataset`` at global step ``step``; every
+    rank of the group calls this together and gets the same result. ``progress`` is called after each
+    batch (the hang watch's sign of life)."""
+    t0 = time.perf_counter()
+    n = len(dataset)
+    size = eval_batch_size(cfg)
+    batches = math.ceil(n / size)
+    if cfg.evaluation.max_batches is not None:
+        batches = min(batches, cfg.evaluation.max_batches)
+    own = _own_buffers(model, world_size)
+    names: list[str] | None = None
+    sizes: list[tuple[int, int]] = []
+    values: list[torch.Tensor] = []
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for b in range(rank, batches, world_size):
+                idx = torch.arange(b * size, min((b + 1) * size, n))
+                torch.default_generator.manual_seed(_seed(cfg.training.seed, step, b))
+                batch = task.move_to_device(fetch_batch(dataset, idx), device)
+                with autocast():
+                    loss, extra = task.compute_eval(model, batch)
+                metrics = extra_metrics(extra, "compute_eval")
+                if names is None:
+                    names = sorted(metrics)
+                elif sorted(metrics) != names:
+                    raise TypeError(
+                        f"Task.compute_eval returned metrics {sorted(metrics)} for eval batch {b} but "
+                        f"{names} before: return the same names for every batch"
+                    )
+                row = [loss.detach().double().reshape(())] + [
+                    torch.as_tensor(metrics[k], dtype=torch.float64, device=device) for k in names
+                ]
+                values.append(torch.stack([v.to(device) for v in row]))
+                sizes.append((b, len(idx)))
+                progress()
+    finally:
+        model.train(was_training)
+        _restore_buffers(model, own)
+    host = torch.stack(values).cpu().tolist() if values else []  # one device read for the whole pass
+    mine = {"names": names, "batches": [(b, k, v) for (b, k), v in zip(sizes, host, strict=True)]}
+    if world_size > 1:
+        everyone: list[Any] = [None] * world_size
+        dist.all_gather_object(everyone, mine)
+    else:
+        everyone = [mine]
+    return _combine(everyone, batches, time.perf_counter() - t0)
+
+
+def _combine(everyone: list[dict[str, Any]], batches: int, seconds: float) -> EvalResult:
+    """Every rank's per-batch means -> the mean over samples, summed in batch order (rank-independent)."""
+    named = [r["names"] for r in everyone if r["names"] is not None]
+    names = named[0] if named else []
+    if any(other != names for other in named):
+        raise TypeError(f"Task.compute_eval returned different metric names on different ranks: {named}")
+    rows = sorted(row for r in everyone for row in r["batches"])
+    if len(rows) != batches:
+        raise RuntimeError(f"evaluation covered {len(rows)} of {batches} batches")  # a bug, not user input
+    samples = sum(k for _, k, _ in rows)
+    sums = [0.0] * (1 + len(names))
+    for _, k, vals in rows:
+        for i, v in enumerate(vals):
+            sums[i] += v * k
+    means = [s / samples for s in sums] if samples else [math.nan] * len(sums)
+    return EvalResult(
+        loss=means[0],
+        metrics=dict(zip(names, means[1:], strict=True)),
+        samples=samples,
+        batches=batches,
+        seconds=seconds,
+    )
+
+
+def _own_buffers(model: nn.Module, world_size: int) -> list[torch.Tensor] | None:
+    """This rank's buffers (copies), after loading rank 0's into the model; None when there is nothing to
+    align (one rank, or no buffers)."""
+    buffers = list(model.buffers())
+    if world_size == 1 or not buffers:
+        return None
+    own = [b.detach().clone() for b in buffers]
+    for b in buffers:
+        dist.broadcast(b.data, src=0)
+    return own
+
+
+def _restore_buffers(model: nn.Module, own: list[torch.Tensor] | None) -> None:
+    if own is None:
+        return
+    with torch.no_grad():
+        for b, saved in zip(model.buffers(), own, strict=True):
+            b.copy_(saved)
