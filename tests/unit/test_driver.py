@@ -98,6 +98,8 @@ class ScriptedGroup:
 
     def run_epoch(self, epoch: int, start_step: int, evaluate_first: bool = False) -> None:
         self.calls.append(f"epoch{epoch}@{start_step}")
+        if evaluate_first:
+            self.evaluate_first = [*getattr(self, "evaluate_first", []), epoch * STEPS + start_step]
         self.epoch, self.start_step = epoch, start_step
         self.stop_step: int | None = None
 
@@ -541,6 +543,59 @@ def test_survivors_agreeing_are_the_source_and_the_recovery_says_so() -> None:
     # rank 0's rows buffered before the failure reached the Parquet files
     steps = read_metrics(driver.storage).to_pydict()
     assert {5, 6} <= {g for g, k in zip(steps["global_step"], steps["kind"]) if k == "step"}
+
+
+def _eval_row(step: int, loss: float) -> dict[str, Any]:
+    return {
+        "kind": "eval",
+        "time": time.time(),
+        "global_step": step,
+        "epoch": (step - 1) // STEPS,
+        "step_in_epoch": (step - 1) % STEPS + 1,
+        "loss": loss,
+        "step_time_s": 0.5,
+        "samples_per_s": 100.0,
+        "world_size": 2,
+        "attempt": 0,
+        "eval_samples": 50,
+        "m_acc": 0.9,
+    }
+
+
+def test_an_evaluation_the_failure_took_is_asked_for_again_and_one_that_arrived_is_not() -> None:
+    """Survivors at step 6 (an eval point of evaluation.every_steps=2): the eval rank 0 ran there never
+    reached the driver, so the next group evaluates before its first step. One that did arrive (step 4)
+    is recorded once, even when rank 0 hands it over again."""
+    driver, _ = make(
+        {0: ["ok", Failure("worker_died", 1, "worker_died:rank 1 died")]},
+        ["evaluation.every_steps=2"],
+        resume={1: 4},
+    )
+    ScriptedGroup.survivors = {0: _peer(6), 2: _peer(6)}
+    ScriptedGroup.rows = [_eval_row(4, 0.7), _eval_row(4, 0.7), {"global_step": 5, "loss": 0.5}]
+    result = driver.run()
+    assert result.status == "finished"
+    first, second = ScriptedGroup.instances
+    assert not hasattr(first, "evaluate_first")  # a fresh start at step 0: nothing due
+    assert second.calls[0] == "epoch1@2" and second.evaluate_first == [6]
+    ev = [e for e in driver.events.records() if e["event"] == "evaluation"]
+    assert [(e["global_step"], e["loss"], e["metrics"]) for e in ev] == [(4, 0.7, {"acc": 0.9})]
+    assert result.evaluation == {"global_step": 4, "epoch": 0, "loss": 0.7, "acc": 0.9}
+    rows = [r for r in read_metrics(driver.storage).to_pylist() if r["kind"] == "eval"]
+    assert [(r["global_step"], r["eval_samples"]) for r in rows] == [(4, 50)]
+    assert "eval at step 4 (epoch 1): loss 0.7000, acc 0.9 (50 samples, 0.5s)" in driver.out.getvalue()
+
+
+def test_an_evaluation_recorded_by_an_earlier_submission_is_not_asked_for_again(tmp_path: Any) -> None:
+    """A resubmission resuming at an eval point reads the run's events: the eval there was recorded."""
+    url = f"{tmp_path}/runs"
+    first, _ = make({}, ["evaluation.every_steps=2", "training.epochs=1", f"storage.url={url}", "name=r"])
+    first._prepare_storage()
+    first._record_eval(_eval_row(4, 0.7))
+    again, _ = make({}, ["evaluation.every_steps=2", "training.epochs=2", f"storage.url={url}", "name=r"])
+    again._prepare_storage()
+    again.steps_per_epoch = STEPS
+    assert not again._eval_missing(4) and again._eval_missing(6) and not again._eval_missing(5)
 
 
 @pytest.mark.parametrize(

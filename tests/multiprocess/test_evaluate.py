@@ -1,0 +1,134 @@
+"""``cluster.evaluate.evaluate`` over real gloo groups of 1, 2 and 3 processes.
+
+The same model evaluated at any world size gives bitwise the same result, equal to one process computing
+the mean over every sample itself; each rank's own BatchNorm statistics (which differ between ranks during
+training) are left as they were, while the evaluation used rank 0's (what a checkpoint holds)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from cluster import Task, TensorBatchDataset, load_config
+from cluster.config import JobConfig
+from cluster.evaluate import EvalResult, evaluate
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
+
+SAMPLES, BATCH = 203, 16  # 13 batches, the last of 11 samples: uneven shares at 2 and 3 ranks
+
+
+class BNTask(Task):
+    def build_model(self) -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Linear(6, 12), nn.BatchNorm1d(12), nn.ReLU(), nn.Dropout(0.5), nn.Linear(12, 3)
+        )
+
+    def build_eval_dataset(self) -> TensorBatchDataset:
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(SAMPLES, 6, generator=g)
+        return TensorBatchDataset(x, torch.randint(0, 3, (SAMPLES,), generator=g))
+
+    def compute_loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        x, y = batch
+        logits = model(x)
+        return nn.functional.cross_entropy(logits, y), {"acc": (logits.argmax(1) == y).double().mean()}
+
+
+def config() -> JobConfig:
+    return load_config(None, [f"evaluation.batch_size={BATCH}"])
+
+
+def model_with_stats(rank: int) -> nn.Module:
+    """The same weights on every rank; running statistics that differ by rank, as after DDP training."""
+    model = BNTask().build_model()
+    bn = model[1]
+    assert isinstance(bn, nn.BatchNorm1d)
+    with torch.no_grad():
+        bn.running_mean.copy_(torch.linspace(-1, 1, 12) * (rank + 1))
+        bn.running_var.fill_(1.0 + rank)
+    return model
+
+
+def _rank(rank: int, world: int, port: int, q: Any) -> None:
+    try:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+        store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        task = BNTask()
+        model = model_with_stats(rank)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        res = evaluate(task, model, task.build_eval_dataset(), config(), 7, rank, world, torch.device("cpu"))
+        after = model.state_dict()
+        kept = all(torch.equal(before[k], after[k]) for k in before)
+        dist.destroy_process_group()
+        q.put((rank, (res, kept, model.training)))
+    except BaseException:
+        q.put((rank, traceback.format_exc()))
+
+
+def run(world: int) -> list[tuple[EvalResult, bool, bool]]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, world, port, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(q.get(timeout=90) for _ in range(world))
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    for r in range(world):
+        assert not isinstance(got[r], str), f"rank {r} failed:\n{got[r]}"
+    return [got[r] for r in range(world)]
+
+
+def by_hand() -> tuple[float, float]:
+    """Rank 0's model over every sample, in one process: the mean loss and accuracy."""
+    torch.set_num_threads(1)
+    model = model_with_stats(0).eval()
+    x, y = BNTask().build_eval_dataset().tensors
+    with torch.no_grad():
+        logits = model(x)
+    per_sample = nn.functional.cross_entropy(logits, y, reduction="none")
+    return float(per_sample.double().mean()), float((logits.argmax(1) == y).double().mean())
+
+
+def test_the_result_is_the_same_at_every_world_size_and_uses_rank_0_s_statistics() -> None:
+    results = {w: run(w) for w in (1, 2, 3)}
+    reference = results[1][0][0]
+    assert reference.samples == SAMPLES and reference.batches == 13
+    for world, ranks in results.items():
+        for rank, (res, kept, training) in enumerate(ranks):
+            # bitwise: the per-batch means are summed in batch order whichever rank computed them
+            assert (res.loss, res.metrics) == (reference.loss, reference.metrics), (world, rank)
+            assert res.samples == SAMPLES
+            assert kept, f"rank {rank} of {world}: its own buffers were not restored"
+            assert training, "the model was left in eval mode"
+    loss, acc = by_hand()
+    # the mean over samples, not over ranks' or batches' means (the last batch is shorter: an unweighted
+    # mean of the batches' means is 1.2e-4 away, the mean of 2 ranks' means 1.6e-3); the batches' losses
+    # are float32, hence 1e-6
+    assert reference.loss == pytest.approx(loss, rel=1e-6)
+    assert reference.metrics["acc"] == pytest.approx(acc, rel=1e-12)
+    # rank 1's own statistics would have given another loss: the evaluation used rank 0's
+    other = model_with_stats(1).eval()
+    x, y = BNTask().build_eval_dataset().tensors
+    with torch.no_grad():
+        assert float(nn.functional.cross_entropy(other(x), y)) != pytest.approx(loss, rel=1e-6)

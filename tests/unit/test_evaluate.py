@@ -1,0 +1,174 @@
+"""Evaluation in one process: when it is due, how the eval set is cut, what it records and shows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from cluster import Task, TensorBatchDataset, load_config
+from cluster.config import EvaluationConfig
+from cluster.errors import ConfigError
+from cluster.evaluate import _combine, eval_batch_size, eval_due, evaluate
+from cluster.inspect import eval_rows, format_evaluations
+from cluster.tracking import scalars
+from cluster.worker import _checked_eval_set
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
+
+
+class Mean(Task):
+    """The model outputs a constant; the loss of a batch is the mean of its targets: easy to check."""
+
+    def build_model(self) -> nn.Module:
+        return nn.Linear(1, 1)
+
+    def build_eval_dataset(self) -> TensorBatchDataset:
+        return TensorBatchDataset(torch.arange(10, dtype=torch.float64))
+
+    def compute_loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        (y,) = batch
+        self.seen = [*getattr(self, "seen", []), (len(y), model.training, torch.is_grad_enabled())]
+        return y.mean(), {"max": y.max(), "one": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("step", "every_epochs", "every_steps", "due"),
+    [
+        (0, 1, 0, False),  # nothing trained yet
+        (4, 1, 0, True),  # end of epoch 1 (4 steps per epoch)
+        (3, 1, 0, False),
+        (8, 2, 0, True),  # every 2nd epoch
+        (4, 2, 0, False),
+        (12, 0, 0, True),  # the last epoch (3) always evaluates
+        (12, 5, 0, True),
+        (4, 0, 0, False),
+        (6, 0, 3, True),  # every 3 steps
+        (7, 0, 3, False),
+        (2, 1, 2, True),
+    ],
+)
+def test_when_an_evaluation_is_due(step: int, every_epochs: int, every_steps: int, due: bool) -> None:
+    e = EvaluationConfig(every_epochs=every_epochs, every_steps=every_steps)
+    assert eval_due(step, steps_per_epoch=4, epochs=3, e=e) is due
+
+
+def test_the_default_batch_is_the_training_micro_batch_at_the_configured_size() -> None:
+    cfg = load_config(None, ["training.global_batch_size=64", "scaling.num_workers=4"])
+    assert eval_batch_size(cfg) == 16
+    cfg = load_config(None, ["training.global_batch_size=64", "training.grad_accum_steps=2"])
+    assert eval_batch_size(cfg) == 16  # 2 workers x 2 micro-batches
+    assert eval_batch_size(load_config(None, ["evaluation.batch_size=5"])) == 5
+
+
+def test_every_sample_once_weighted_by_batch_size_in_eval_mode_without_grad() -> None:
+    task = Mean()
+    model = task.build_model()
+    cfg = load_config(None, ["evaluation.batch_size=4"])  # batches of 4, 4 and 2 samples
+    res = evaluate(task, model, task.build_eval_dataset(), cfg, 3, 0, 1, torch.device("cpu"))
+    assert res.loss == 4.5  # the mean of 0..9, not the mean of the batches' means (1.5, 5.5, 8.5)
+    assert res.metrics == {"max": (3 * 4 + 7 * 4 + 9 * 2) / 10, "one": 1.0}
+    assert (res.samples, res.batches) == (10, 3)
+    assert task.seen == [(4, False, False), (4, False, False), (2, False, False)]
+    assert model.training  # put back
+
+    capped = evaluate(
+        task,
+        model,
+        task.build_eval_dataset(),
+        load_config(None, ["evaluation.batch_size=4", "evaluation.max_batches=2"]),
+        3,
+        0,
+        1,
+        torch.device("cpu"),
+    )
+    assert (capped.samples, capped.loss) == (8, 3.5)
+
+
+def test_a_metric_missing_from_one_batch_is_a_clear_error() -> None:
+    class Flaky(Mean):
+        def compute_eval(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+            (y,) = batch
+            return y.mean(), ({"a": 1.0} if y[0] == 0 else {})
+
+    with pytest.raises(TypeError, match=r"compute_eval returned metrics \[\] for eval batch 1 but \['a'\]"):
+        evaluate(
+            Flaky(),
+            nn.Linear(1, 1),
+            Mean().build_eval_dataset(),
+            load_config(None, ["evaluation.batch_size=5"]),
+            0,
+            0,
+            1,
+            torch.device("cpu"),
+        )
+
+
+def test_the_ranks_shares_combine_in_batch_order_whatever_the_order_they_arrive() -> None:
+    a = {"names": ["m"], "batches": [(0, 3, [0.1, 1.0]), (2, 1, [0.7, 3.0])]}
+    b = {"names": ["m"], "batches": [(1, 3, [0.3, 2.0])]}
+    idle = {"names": None, "batches": []}  # a rank with no batch (fewer batches than ranks)
+    one, two = _combine([a, b, idle], 3, 0.0), _combine([idle, b, a], 3, 0.0)
+    assert (one.loss, one.metrics) == (two.loss, two.metrics)
+    assert one.loss == pytest.approx((0.3 + 0.9 + 0.7) / 7) and one.metrics["m"] == pytest.approx(12 / 7)
+    with pytest.raises(TypeError, match="different metric names"):
+        _combine([a, {"names": ["x"], "batches": [(1, 3, [0.3, 2.0])]}], 3, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("evaluation.every_epochs=-1", "evaluation.every_epochs=-1 must be 0"),
+        ("evaluation.every_steps=-2", "evaluation.every_steps=-2 must be 0"),
+        ("evaluation.batch_size=0", "evaluation.batch_size=0 must be positive"),
+        ("evaluation.max_batches=0", "evaluation.max_batches=0 must be positive"),
+        ("evaluation.every_step=3", "did you mean 'evaluation.every_steps'"),
+    ],
+)
+def test_bad_evaluation_settings_are_config_errors(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_an_empty_eval_set_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="build_eval_dataset\\(\\) returned an empty dataset; return None"):
+        _checked_eval_set(TensorBatchDataset(torch.zeros(0)), "my:Task")
+    assert _checked_eval_set(None, "my:Task") is None
+
+
+def test_an_eval_row_is_named_eval_in_tensorboard_and_mlflow() -> None:
+    row = {
+        "kind": "eval",
+        "global_step": 4,
+        "loss": 0.5,
+        "step_time_s": 2.0,
+        "lr": None,
+        "m_acc": 0.9,
+        "world_size": 2,
+        "samples_per_s": 10.0,
+    }
+    assert dict(scalars(row)) == {"eval/loss": 0.5, "eval/seconds": 2.0, "eval/acc": 0.9}
+
+
+def test_show_lists_each_step_once_and_names_the_lowest_loss() -> None:
+    def row(step: int, loss: float) -> dict[str, Any]:
+        return {
+            "kind": "eval",
+            "global_step": step,
+            "epoch": step // 4,
+            "loss": loss,
+            "m_acc": 0.5,
+            "eval_samples": 10,
+            "step_time_s": 0.25,
+            "world_size": 2,
+        }
+
+    rows = eval_rows(
+        [row(8, 0.4), {"kind": "step", "global_step": 5}, row(4, 0.6), row(8, 0.9), row(12, 0.5)]
+    )
+    assert [(r["global_step"], r["loss"]) for r in rows] == [(4, 0.6), (8, 0.4), (12, 0.5)]
+    text = "\n".join(format_evaluations(rows, last=2))
+    assert "evaluations (3)" in text and "(1 earlier evaluations not shown)" in text
+    assert "ACC" in text and "lowest eval loss: 0.4000 at step 8" in text
