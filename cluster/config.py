@@ -138,13 +138,21 @@ class FaultSpec:
     step: int = 1
     """Global step (1-based optimizer step count) at which it misbehaves, before running that step."""
     kind: Literal[
-        "crash", "hang", "raise", "crash_in_checkpoint", "crash_in_backward", "crash_after_step", "slow"
+        "crash",
+        "hang",
+        "raise",
+        "crash_in_checkpoint",
+        "crash_in_backward",
+        "crash_after_step",
+        "crash_in_eval",
+        "slow",
     ] = "crash"
     """``crash``: the process is SIGKILLed before the step; ``hang``: it stops making progress;
     ``raise``: user code raises RuntimeError; ``crash_in_checkpoint``: rank 0 is SIGKILLed while writing
     the checkpoint of that step, after its files and before its manifest; ``crash_in_backward``: SIGKILLed
     in that step's backward pass, while the other ranks wait in its gradient all-reduce;
     ``crash_after_step``: SIGKILLed right after that step's optimizer update, before the next collective;
+    ``crash_in_eval``: SIGKILLed in the evaluation after that step, after its first eval batch;
     ``slow``: from that step on, the rank sleeps 50 ms at the start of each step (it holds the others up)."""
     attempt: int = 0
     """Attempt (0 = first start, 1 = after the first recovery...) on which it fires; -1 = every attempt."""

@@ -903,8 +903,12 @@ class Worker:
         """Evaluate at this step, on every rank together (``cluster.evaluate``); rank 0 queues the result as
         an ``eval`` metric row for the driver."""
 
+        crash = any(f.kind == "crash_in_eval" and f.step == self.global_step for f in self.faults)
+
         def alive() -> None:
             self._last_step_at = time.time()  # each eval batch is progress for the hang watch
+            if crash:
+                os.kill(os.getpid(), signal.SIGKILL)
 
         res = evaluate(
             self.task,

@@ -98,6 +98,12 @@ class SlowCharLM(Task):
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         return self.inner.build_optimizer(model)
 
+    def build_eval_dataset(self) -> Any:
+        return self.inner.build_eval_dataset()
+
+    def compute_eval(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        return self.inner.compute_eval(model, batch)
+
     def build_scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
         return self.inner.build_scheduler(optimizer, total_steps)
 

@@ -114,6 +114,7 @@ def test_a_real_job_in_mlflow_and_tensorboard_and_its_resubmission(
         "tracking.tensorboard=true",
         f"tracking.mlflow_uri={mlflow_server.uri}",
         "tracking.mlflow_experiment=tests",
+        "task_args.eval_chars=4096",  # a held-out set: evaluated at each epoch's end
     ]
     first = train(load_config("jobs/configs/tiny_cpu.yaml", overrides), out=io.StringIO())
     assert first.status == "finished"
@@ -140,6 +141,10 @@ def test_a_real_job_in_mlflow_and_tensorboard_and_its_resubmission(
     assert history(client, run_id, "train/loss") == pytest.approx(steps)
     assert history(client, run_id, "train/lr") == pytest.approx(last_by_step(rows, "step", "lr"))
     assert history(client, run_id, "epoch/loss") == pytest.approx(last_by_step(rows, "epoch"))
+    evals = last_by_step(rows, "eval")
+    assert sorted(evals) == [first.global_step // 2, first.global_step]  # one per epoch
+    assert history(client, run_id, "eval/loss") == pytest.approx(evals)
+    assert history(client, run_id, "eval/acc") == pytest.approx(last_by_step(rows, "eval", "m_acc"))
     # the final checkpoint's weights, byte for byte
     latest = CheckpointStore(storage).list()[-1]
     got = client.download_artifacts(run_id, "checkpoint/model.pt", str(tmp_path / "dl"))
@@ -155,6 +160,8 @@ def test_a_real_job_in_mlflow_and_tensorboard_and_its_resubmission(
     assert {"train/step_time_s", "train/checkpoint_stall_s", "train/world_size", "train/attempt"} <= set(
         acc.Tags()["scalars"]
     )
+    assert {e.step: e.value for e in acc.Scalars("eval/loss")} == pytest.approx(evals, rel=1e-6)
+    assert {"eval/bits_per_char", "eval/seconds"} <= set(acc.Tags()["scalars"])
 
     # resubmitted with one more epoch: the same MLflow run goes on, on the same step axis
     second = train(

@@ -1,0 +1,97 @@
+"""Evaluation in real jobs on a real local Ray: what it records, that it leaves training bitwise unchanged,
+and that an evaluation a SIGKILLed rank cut short runs again, once, with the same result."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+import torch
+
+from cluster import load_config, load_model, train
+from cluster.config import JobConfig
+from cluster.evaluate import evaluate
+from cluster.inspect import format_show, report
+from cluster.metrics import read_metrics
+from cluster.storage import Storage
+from cluster.task import build_task
+from tests.ray.test_faults import EPOCHS, STEPS, assert_bitwise_equal, events, final_model, overrides
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
+
+EVAL = ["task_args.eval_chars=4096", "evaluation.every_steps=10"]  # at 10, 15 (epoch end), 20 and 30
+EVAL_STEPS = [10, 15, 20, 30]
+
+
+def config(storage: str, name: str, *extra: str) -> JobConfig:
+    return load_config("jobs/configs/tiny_cpu.yaml", overrides(storage, name, *extra))
+
+
+@pytest.fixture(scope="module")
+def plain(ray_local: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The final weights of the same job without an eval set."""
+    root = tmp_path_factory.mktemp("plain")
+    result = train(config(str(root), "plain"), out=io.StringIO())
+    assert result.status == "finished" and result.attempts == 1
+    return final_model(result.run_url)
+
+
+@pytest.fixture(scope="module")
+def evaluated(ray_local: None, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, str, JobConfig]:
+    root = tmp_path_factory.mktemp("evaluated")
+    cfg = config(str(root), "evaluated", *EVAL)
+    out = io.StringIO()
+    result = train(cfg, out=out)
+    assert result.status == "finished" and result.attempts == 1
+    return result, out.getvalue(), cfg
+
+
+def evaluation_events(run_url: str) -> list[tuple[int, float, dict[str, float]]]:
+    return [(e["global_step"], e["loss"], e["metrics"]) for e in events(run_url, "evaluation")]
+
+
+def test_evaluations_record_the_saved_model_s_loss_and_leave_training_unchanged(
+    plain: dict[str, torch.Tensor], evaluated: tuple[Any, str, JobConfig]
+) -> None:
+    result, console, cfg = evaluated
+    # dropout is on in training (task_args.dropout=0.1): the eval's own random draws and its eval mode
+    # changed nothing in the steps after it
+    assert_bitwise_equal(final_model(result.run_url), plain)
+
+    recorded = evaluation_events(result.run_url)
+    assert [step for step, _, _ in recorded] == EVAL_STEPS
+    assert all(set(metrics) == {"acc", "bits_per_char"} for _, _, metrics in recorded)
+    assert recorded[-1][1] < recorded[0][1]  # it learns
+    rows = [r for r in read_metrics(Storage(result.run_url)).to_pylist() if r["kind"] == "eval"]
+    assert [(r["global_step"], r["loss"], r["eval_samples"]) for r in rows] == [
+        (step, loss, 127)
+        for step, loss, _ in recorded  # 4096 chars: 127 sequences of 32 (+1)
+    ]
+    assert result.evaluation["global_step"] == EPOCHS * STEPS and result.evaluation["loss"] == recorded[-1][1]
+    assert f"eval at step {EPOCHS * STEPS} (epoch {EPOCHS}): loss {recorded[-1][1]:.4f}" in console
+
+    # the last evaluation is the final checkpoint's loss on the held-out text, computed here in one process
+    torch.set_num_threads(1)  # as each worker (scaling.cpus_per_worker=1)
+    task = build_task(cfg.task, cfg.task_args)
+    model = load_model(result.run_url)
+    here = evaluate(task, model, task.build_eval_dataset(), cfg, EPOCHS * STEPS, 0, 1, torch.device("cpu"))
+    assert (here.loss, here.metrics) == (recorded[-1][1], recorded[-1][2])
+
+    text = format_show(report(Storage(result.run_url)))
+    assert "evaluations (4)" in text and "BITS_PER_CHAR" in text
+
+
+def test_an_evaluation_cut_short_by_a_killed_rank_runs_again_once_with_the_same_result(
+    plain: dict[str, torch.Tensor], evaluated: tuple[Any, str, JobConfig], tmp_path: object
+) -> None:
+    storage = f"{tmp_path}/runs"
+    crash = "failures.inject=[{rank: 1, step: 10, kind: crash_in_eval}]"
+    result = train(config(storage, "cut", *EVAL, crash), out=io.StringIO())
+    assert result.status == "finished" and result.attempts == 2, result.failures
+    assert result.failures[0]["kind"] == "worker_died"
+    (recovered,) = events(result.run_url, "recovered")
+    assert recovered["source"] == "peers" and recovered["resume_step"] == 10  # the survivors' step
+    # every evaluation once, bitwise what the run without the failure recorded
+    assert evaluation_events(result.run_url) == evaluation_events(evaluated[0].run_url)
+    assert_bitwise_equal(final_model(result.run_url), plain)
