@@ -13,6 +13,7 @@ import builtins
 import hashlib
 import io
 import json
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -193,16 +194,21 @@ class CheckpointStore:
             )
         return {name: deserialize(data) for name, data in self.read_verified(info).items()}
 
-    def retain(self, keep_last: int) -> builtins.list[int]:
-        """Delete all but the newest ``keep_last`` committed checkpoints (manifest first, then files).
+    def retain(self, keep_last: int, keep_best: bool = False) -> builtins.list[int]:
+        """Delete all but the newest ``keep_last`` committed checkpoints (manifest first, then files), and,
+        with ``keep_best``, the best-scored one (:func:`best_of`).
 
         Uncommitted step folders older than the newest committed one are leftovers of torn writes and go
         too. Returns the deleted steps.
         """
-        committed = [i.step for i in self.list()]
+        infos = self.list()
+        committed = [i.step for i in infos]
         if not committed:
             return []
         keep = set(committed[-max(1, keep_last) :])
+        best = best_of(infos) if keep_best else None
+        if best is not None:
+            keep.add(best.step)
         newest = committed[-1]
         deleted = []
         for step in self.steps_on_storage():
@@ -213,6 +219,30 @@ class CheckpointStore:
             self.storage.rm(d, recursive=True)
             deleted.append(step)
         return deleted
+
+
+def score_of(info: CheckpointInfo) -> tuple[str, str, float] | None:
+    """(metric, mode, value) of the evaluation a checkpoint was scored by (``checkpoint.best_metric``); None
+    when it was not (no evaluation at its step, or no best_metric)."""
+    s = info.manifest.get("score")
+    if not isinstance(s, dict) or s.get("mode") not in ("min", "max"):
+        return None
+    value = s.get("value")
+    if not isinstance(value, (int, float)) or math.isnan(value):
+        return None
+    return str(s.get("metric")), str(s["mode"]), float(value)
+
+
+def best_of(infos: builtins.list[CheckpointInfo]) -> CheckpointInfo | None:
+    """The best-scored checkpoint, by the metric and mode of the newest scored one (a run whose
+    best_metric changed compares only like with like); on a tie the earliest step, the first to reach it."""
+    scored = [(info, sc) for info in infos if (sc := score_of(info)) is not None]
+    if not scored:
+        return None
+    metric, mode, _ = scored[-1][1]
+    sign = 1.0 if mode == "min" else -1.0
+    same = [(sign * v, info.step, info) for info, (m, md, v) in scored if (m, md) == (metric, mode)]
+    return min(same, key=lambda t: (t[0], t[1]))[2]
 
 
 def snapshot(obj: Any, pool: HostBuffers | None = None) -> Any:
@@ -299,9 +329,11 @@ class CheckpointWriter:
         keep_last: int,
         async_save: bool = True,
         on_commit: Callable[[CommitRecord], None] | None = None,
+        keep_best: bool = False,
     ) -> None:
         self.store = store
         self.keep_last = keep_last
+        self.keep_best = keep_best
         self.async_save = async_save
         self.on_commit = on_commit
         self.records: list[CommitRecord] = []
@@ -336,7 +368,7 @@ class CheckpointWriter:
                 return
             info = self.store.commit(step, blobs, {**meta, "epoch": epoch})
             record.url, record.bytes = info.url, info.total_bytes
-            self.store.retain(self.keep_last)
+            self.store.retain(self.keep_last, self.keep_best)
         except Exception as exc:
             record.error = f"{type(exc).__name__}: {exc}"
         record.write_s = time.perf_counter() - t0

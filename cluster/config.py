@@ -111,6 +111,12 @@ class CheckpointConfig:
     """Verified checkpoints to keep; older ones are deleted (the newest verified one is never deleted)."""
     async_save: bool = True
     """Copy state to host memory and upload in the background, so training is not stalled by storage."""
+    best_metric: str | None = None
+    """Also keep the checkpoint of the best evaluation of this metric (``loss``, or a metric the task's
+    ``compute_eval`` returns), whatever ``keep_last`` says; an evaluation better than every earlier one
+    checkpoints its step. Needs an eval set; ``load_model(run, step="best")`` loads it. null: off."""
+    best_mode: Literal["min", "max"] = "min"
+    """Whether a lower (``min``) or a higher (``max``) ``best_metric`` is better."""
 
 
 @dataclass
@@ -490,6 +496,11 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"checkpoint.every_steps={c.every_steps} must be 0 (off) or positive")
     if c.every_epochs < 0:
         raise ConfigError(f"checkpoint.every_epochs={c.every_epochs} must be 0 (off) or positive")
+    if c.best_metric is not None and not c.best_metric.strip():
+        raise ConfigError(
+            "checkpoint.best_metric is empty; name an evaluation metric (loss, or one compute_eval returns), "
+            "or null for no best checkpoint"
+        )
     if c.keep_last < 1:
         raise ConfigError(f"checkpoint.keep_last={c.keep_last} must be at least 1 (resuming needs one)")
     _validate_evaluation(cfg.evaluation)

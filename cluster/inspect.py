@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.checkpoint import CheckpointInfo, CheckpointStore
+from cluster.checkpoint import CheckpointInfo, CheckpointStore, best_of, score_of
 from cluster.errors import CheckpointError, ClusterError, StorageError
 from cluster.metrics import read_event_log, read_metrics
 from cluster.storage import Storage, join, normalize_url
@@ -78,6 +78,10 @@ class CheckpointRow:
     verified: bool | None
     """True/False once checked; None when not checked (only the latest is checked unless ``--verify``)."""
     problem: str | None = None
+    score: str | None = None
+    """``metric=value`` of the evaluation it was scored by (``checkpoint.best_metric``), if any."""
+    best: bool = False
+    """The best-scored checkpoint: kept whatever ``keep_last`` says, loaded by ``step="best"``."""
 
 
 @dataclass
@@ -227,6 +231,7 @@ def checkpoint_rows(storage: Storage, verify: str = "latest") -> list[Checkpoint
     store = CheckpointStore(storage)
     infos = store.list()
     committed = {i.step for i in infos}
+    best = best_of(infos)
     verdict: dict[int, str | None] = {}
     for info in reversed(infos):
         if verify == "none":
@@ -243,6 +248,8 @@ def checkpoint_rows(storage: Storage, verify: str = "latest") -> list[Checkpoint
             files=len(i.manifest["files"]),
             verified=(verdict[i.step] is None) if i.step in verdict else None,
             problem=verdict.get(i.step),
+            score=_score_text(i),
+            best=best is not None and best.step == i.step,
         )
         for i in infos
     ]
@@ -252,6 +259,11 @@ def checkpoint_rows(storage: Storage, verify: str = "latest") -> list[Checkpoint
                 CheckpointRow(step, None, None, 0, 0, False, "no manifest: torn or in progress, never loaded")
             )
     return sorted(rows, key=lambda r: r.step)
+
+
+def _score_text(info: CheckpointInfo) -> str | None:
+    sc = score_of(info)
+    return None if sc is None else f"{sc[0]}={sc[2]:.4g}"
 
 
 def _latest(rows: list[CheckpointRow], verify: str) -> int | None:
@@ -669,9 +681,10 @@ def format_show(r: RunReport) -> str:
     out += ["", f"checkpoints ({len(committed)} committed)"]
     if r.checkpoints:
         verified = {True: "yes", False: "NO", None: "unchecked"}
+        scored = any(c.score for c in r.checkpoints)
         out.append(
             table(
-                ["STEP", "EPOCH", "SIZE", "FILES", "VERIFIED", "PROBLEM"],
+                ["STEP", "EPOCH", "SIZE", "FILES", "VERIFIED", *(["SCORE"] if scored else []), "PROBLEM"],
                 [
                     [
                         str(c.step),
@@ -679,6 +692,7 @@ def format_show(r: RunReport) -> str:
                         human_bytes(c.bytes) if c.files else "-",
                         str(c.files),
                         verified[c.verified],
+                        *([(c.score or "-") + (" (best)" if c.best else "")] if scored else []),
                         c.problem or "",
                     ]
                     for c in r.checkpoints

@@ -5,6 +5,7 @@ model with that state). Any fsspec URL; no Ray.
     ckpt = load_checkpoint("./runs/tiny-cpu")            # latest verified checkpoint
     ckpt = load_checkpoint("s3://bucket/runs/tiny-cpu", step=400)
     model = load_model("./runs/tiny-cpu")                # the run's Task builds it; weights loaded
+    model = load_model("./runs/tiny-cpu", step="best")   # the best evaluation's (checkpoint.best_metric)
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ import json
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from torch import nn
 
-from cluster.checkpoint import CKPT_DIR, CheckpointStore, deserialize
+from cluster.checkpoint import CKPT_DIR, CheckpointStore, best_of, deserialize, score_of
 from cluster.errors import CheckpointError, ConfigError
 from cluster.storage import Storage, url_problem
 
@@ -62,17 +63,32 @@ def _open(url_or_run: str, storage_options: dict[str, Any] | None) -> tuple[Stor
 
 
 def load_checkpoint(
-    url_or_run: str, step: int | None = None, storage_options: dict[str, Any] | None = None
+    url_or_run: str,
+    step: int | Literal["best"] | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> Checkpoint:
-    """The latest verified checkpoint of the run at ``url_or_run`` (``<storage.url>/<name>``), or the one
-    at ``step``; a checkpoint folder's URL (``.../checkpoints/step_000000400``) also works.
+    """The latest verified checkpoint of the run at ``url_or_run`` (``<storage.url>/<name>``), the one at
+    ``step``, or with ``step="best"`` the one of the best evaluation by the run's ``checkpoint.best_metric``
+    (its score is in ``manifest["score"]``); a checkpoint folder's URL (``.../checkpoints/step_000000400``)
+    also works.
 
     Torn or corrupt checkpoints are skipped with the reason (logged, and listed in ``skipped``) when the
-    latest is asked for; an explicit ``step`` that fails verification raises CheckpointError.
+    latest is asked for; an explicit ``step`` (or the best) that fails verification raises CheckpointError.
     """
     storage, named = _open(url_or_run, storage_options)
     step = named if step is None else step
     store = CheckpointStore(storage)
+    if step == "best":
+        infos = store.list()
+        best = best_of(infos)
+        if best is None:
+            raise CheckpointError(
+                f"no checkpoint of {storage.root} carries an evaluation score ({len(infos)} committed): "
+                "train with an eval set and checkpoint.best_metric set, or load the latest (step=None)"
+            )
+        step = best.step
+        metric, mode, value = score_of(best) or ("", "", 0.0)
+        logger.info("best checkpoint by %s (%s): step %d, %s=%g", metric, mode, step, metric, value)
     if step is None:
         loaded = store.load_latest()
         for s, why in store.last_skipped:
@@ -111,7 +127,7 @@ def load_checkpoint(
 
 def load_model(
     run_url: str,
-    step: int | None = None,
+    step: int | Literal["best"] | None = None,
     storage_options: dict[str, Any] | None = None,
     task_args: dict[str, Any] | None = None,
 ) -> nn.Module:

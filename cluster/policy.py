@@ -30,6 +30,12 @@ class FailurePolicy:
         """``history`` holds every failure so far, this one last; ``streak`` counts the failures since
         training last completed an epoch (default: all of them)."""
         count = len(history)
+        if failure.error is not None and failure.error.exc_type == "ConfigError":
+            return Decision(
+                False,
+                f"a configuration error, found on rank {failure.error.rank} while training: "
+                f"{failure.error.message}. Retrying cannot help: fix it, then rerun the same job to resume",
+            )
         if failure.kind == "user_error" and failure.error is not None:
             for prev in history[:-1]:
                 if prev.error is not None and prev.error.signature == failure.error.signature:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import math
 import os
 import signal
 import socket
@@ -75,11 +76,14 @@ class TrainState:
     sampler_order: int
     """How the run's sampler seeds each epoch's permutation (``cluster.data.LEGACY_ORDER`` or
     ``TORCH_ORDER``): fixed for the life of a run, so a resumed run keeps its data order."""
+    best_eval: dict[str, Any] | None = None
+    """The best evaluation so far by ``checkpoint.best_metric`` (``{"value", "step"}``), so that a resumed
+    run checkpoints only evaluations better than every earlier one."""
 
     # Keys that checkpoints written by earlier versions carry and that resume does not need.
     LEGACY_KEYS = frozenset({"sample_offset", "rng"})
     # Fields that checkpoints written by earlier versions lack, with the value that reproduces what they did.
-    OLD_DEFAULTS: ClassVar[dict[str, Any]] = {"sampler_order": LEGACY_ORDER}
+    OLD_DEFAULTS: ClassVar[dict[str, Any]] = {"sampler_order": LEGACY_ORDER, "best_eval": None}
 
     def state_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -105,6 +109,7 @@ class TrainState:
             optimizer=state["optimizer"],
             scheduler=state["scheduler"],
             sampler_order=_sampler_order(state["sampler_order"], where),
+            best_eval=state["best_eval"],
         )
 
 
@@ -271,6 +276,9 @@ class Worker:
         self._inputs: InputPipeline | None = None
         self._stop = _StopRequest()
         self._last_checkpoint = -1  # the step of the newest checkpoint in this process (rank 0 wrote it)
+        self._best: dict[str, Any] | None = None  # TrainState.best_eval
+        self._last_eval: tuple[int, dict[str, float]] | None = None  # (step, loss and metrics)
+        self._best_at: int | None = None  # the step of an evaluation that became the best: checkpoint it
         self.gpu_index = 0  # this rank's GPU among the visible ones (``use_gpus``)
         self.faults = self._faults()
         self._pace = StepPace()
@@ -367,6 +375,12 @@ class Worker:
         t["process_group"] = time.time()
 
         task, dataset = self.task, self.dataset  # a warm restart keeps both
+        if cfg.checkpoint.best_metric is not None and self._eval_dataset is None:
+            raise ConfigError(
+                f"checkpoint.best_metric={cfg.checkpoint.best_metric!r} needs an eval set, but "
+                f"{cfg.task}.build_eval_dataset() returned None; give the task one, or set "
+                "checkpoint.best_metric=null"
+            )
         if kept is not None:
             raw_model, optimizer, scheduler = kept.raw_model, kept.optimizer, kept.scheduler
         else:
@@ -412,7 +426,12 @@ class Worker:
         sampler.order = self.sampler_order  # the resumed run's (a new run's when nothing was resumed)
         writer = kept.writer if kept is not None else None  # rank 0's upload in flight carries on
         if self.rank == 0 and writer is None:
-            writer = CheckpointWriter(ckpt_store, cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
+            writer = CheckpointWriter(
+                ckpt_store,
+                cfg.checkpoint.keep_last,
+                cfg.checkpoint.async_save,
+                keep_best=cfg.checkpoint.best_metric is not None,
+            )
         elif self.rank != 0 and writer is not None:
             writer.close(flush=True)
             writer = None
@@ -513,9 +532,11 @@ class Worker:
                     scheduler.load_state_dict(ts.scheduler)
                 self.global_step, self.epoch, self.step_in_epoch = ts.global_step, ts.epoch, ts.step_in_epoch
                 self.sampler_order = ts.sampler_order
+                self._best = ts.best_eval
             del payload
         if group is not None and self.rank in takers:
             dist.destroy_process_group(group)
+        self._last_checkpoint = -1  # the same on every rank (a survivor's own may differ from a newcomer's)
         if holder and (self.global_step, self.epoch, self.step_in_epoch) != (
             plan.global_step,
             plan.epoch,
@@ -552,6 +573,7 @@ class Worker:
             optimizer=optimizer.state_dict(),
             scheduler=scheduler.state_dict() if scheduler is not None else None,
             sampler_order=self.sampler_order,
+            best_eval=self._best,
         )
 
     def release(self, rank: int, world_size: int, attempt: int) -> PeerState | None:
@@ -650,6 +672,7 @@ class Worker:
         step, skipped, nbytes = choice
         if step is None:
             self.sampler_order = TORCH_ORDER
+            self._best = None
             return ResumePoint(0, 0, 0, None), skipped
         if files is None:
             files = store.load_step(step)
@@ -666,6 +689,8 @@ class Worker:
             scheduler.load_state_dict(state.scheduler)
         self.global_step, self.epoch, self.step_in_epoch = state.global_step, state.epoch, state.step_in_epoch
         self.sampler_order = state.sampler_order
+        self._best = state.best_eval
+        self._last_checkpoint = state.global_step  # it exists: an evaluation here never writes it again
         return ResumePoint(
             state.global_step,
             state.epoch,
@@ -755,6 +780,8 @@ class Worker:
         stopped = False
         if evaluate_first and self._eval_dataset is not None:
             self._evaluate(s)
+            if self._best_due():
+                self._checkpoint(s)
         for local_idx in s.sampler:
             if self._stop.dispatch == dispatch and self._stopping(dispatch):
                 stopped = True
@@ -787,7 +814,7 @@ class Worker:
             mid_epoch = self.step_in_epoch < s.sampler.steps_per_epoch  # the epoch's end evaluates below
             if self._eval_dataset is not None and mid_epoch and self._eval_due(s):
                 self._evaluate(s)
-            if self._checkpoint_due_at_step(s):
+            if self._checkpoint_due_at_step(s) or (mid_epoch and self._best_due()):
                 stall = self._checkpoint(s)
             if self.rank == 0 and (self.global_step % tcfg.log_every_steps == 0 or stall):
                 self._rows.append(self._step_row(s, loss, metrics, dt, stall, now))
@@ -798,7 +825,7 @@ class Worker:
             self._evaluate(s)  # before the checkpoint of the same step
         if st.dispatch == dispatch and st.checkpoint and self._last_checkpoint != self.global_step:
             self._checkpoint(s)  # the stop asked for one (a move without peers, a notice too short)
-        elif not stopped and self._checkpoint_due_at_epoch_end(epoch):
+        elif not stopped and (self._checkpoint_due_at_epoch_end(epoch) or self._best_due()):
             self._checkpoint(s)
         # One collective per epoch for the reported loss; nothing per step.
         totals = torch.tensor([float(loss_sum), float(steps)], dtype=torch.float64)
@@ -923,6 +950,10 @@ class Worker:
             progress=alive,
         )
         alive()
+        values = {"loss": res.loss, **res.metrics}
+        self._last_eval = (self.global_step, values)
+        if self._is_best(values):
+            self._best_at = self.global_step
         if self.rank == 0:
             spe = s.sampler.steps_per_epoch
             at_end = self.step_in_epoch == 0 and self.global_step > 0  # resumed at an epoch's end
@@ -944,6 +975,33 @@ class Worker:
                 }
             )
         return res
+
+    def _is_best(self, values: dict[str, float]) -> bool:
+        """Whether this evaluation beats every earlier one by ``checkpoint.best_metric`` (and becomes the
+        best). Every rank holds the same values and the same best, so every rank decides alike. The best
+        evaluated again at its own step (after a failure took its checkpoint or its record) counts again."""
+        metric = self.cfg.checkpoint.best_metric
+        if metric is None:
+            return False
+        if metric not in values:
+            raise ConfigError(
+                f"checkpoint.best_metric={metric!r} is not among the evaluation's metrics "
+                f"({', '.join(sorted(values))}): name one of them, or null for no best checkpoint"
+            )
+        value, best = values[metric], self._best
+        if math.isnan(value):
+            return False
+        if best is not None and best["step"] != self.global_step:
+            if self.cfg.checkpoint.best_mode == "min" and not value < best["value"]:
+                return False
+            if self.cfg.checkpoint.best_mode == "max" and not value > best["value"]:
+                return False
+        self._best = {"value": value, "step": self.global_step}
+        return True
+
+    def _best_due(self) -> bool:
+        """A checkpoint of this step's new best evaluation, unless one of this step exists."""
+        return self._best_at == self.global_step and self._last_checkpoint != self.global_step
 
     # ----------------------------------------------------------------- checkpoints
     def _checkpoint_due_at_step(self, s: TrainSession) -> bool:
@@ -974,6 +1032,7 @@ class Worker:
             optimizer=s.optimizer.state_dict() if with_optimizer else {},
             scheduler=s.scheduler.state_dict() if s.scheduler is not None else None,
             sampler_order=self.sampler_order,
+            best_eval=self._best,
         )
 
     def _checkpoint(self, s: TrainSession) -> float:
@@ -985,7 +1044,20 @@ class Worker:
         if s.writer is None:
             return 0.0
         state = self.train_state(s)
-        meta = {"world_size": self.world_size, "step_in_epoch": state.step_in_epoch, "attempt": self.attempt}
+        meta: dict[str, Any] = {
+            "world_size": self.world_size,
+            "step_in_epoch": state.step_in_epoch,
+            "attempt": self.attempt,
+        }
+        if self._last_eval is not None and self._last_eval[0] == self.global_step:
+            meta["eval"] = self._last_eval[1]  # the evaluation of this very model
+            metric = self.cfg.checkpoint.best_metric
+            if metric is not None:
+                meta["score"] = {
+                    "metric": metric,
+                    "mode": self.cfg.checkpoint.best_mode,
+                    "value": self._last_eval[1][metric],
+                }
         stall = s.writer.save(
             self.global_step,
             state.epoch,
@@ -1070,6 +1142,8 @@ class Worker:
         self.rank, self.world_size, self.attempt = rank, world_size, attempt
         self.global_step = self.epoch = self.step_in_epoch = 0
         self.sampler_order = TORCH_ORDER
+        self._best, self._best_at, self._last_eval = None, None, None
+        self._last_checkpoint = -1
         self._stop = _StopRequest()
         self._max_step_time = 0.0
         self._last_step_at = time.time()
