@@ -9,8 +9,10 @@ from typing import Any
 import pytest
 import torch
 
-from cluster import load_config, load_model, train
+from cluster import load_checkpoint, load_config, load_model, train
+from cluster.checkpoint import CheckpointStore
 from cluster.config import JobConfig
+from cluster.errors import ConfigError, TrainingFailedError
 from cluster.evaluate import evaluate
 from cluster.inspect import format_show, report
 from cluster.metrics import read_metrics
@@ -95,3 +97,73 @@ def test_an_evaluation_cut_short_by_a_killed_rank_runs_again_once_with_the_same_
     # every evaluation once, bitwise what the run without the failure recorded
     assert evaluation_events(result.run_url) == evaluation_events(evaluated[0].run_url)
     assert_bitwise_equal(final_model(result.run_url), plain)
+
+
+def test_the_best_evaluation_s_checkpoint_outlives_keep_last_and_loads_as_best(
+    evaluated: tuple[Any, str, JobConfig], tmp_path: object
+) -> None:
+    """Scored by the lowest accuracy (so the best is an early one, not the last): with keep_last=1 and no
+    step checkpoints, the best evaluation's step is checkpointed and kept, and loads as ``step="best"``.
+    Resubmitted for one more epoch, the resumed run knows its best and checkpoints no worse evaluation."""
+    storage = f"{tmp_path}/runs"
+    best = ["checkpoint.best_metric=acc", "checkpoint.best_mode=min", "checkpoint.keep_last=1"]
+    cfg = config(storage, "best", *EVAL, *best, "checkpoint.every_steps=0")
+    result = train(cfg, out=io.StringIO())
+    assert result.status == "finished"
+    recorded = evaluation_events(result.run_url)
+    assert recorded == evaluation_events(evaluated[0].run_url)  # scoring changes no evaluation
+    step, _, metrics = min(recorded, key=lambda e: (e[2]["acc"], e[0]))
+    assert step < EPOCHS * STEPS
+    kept = [c.step for c in CheckpointStore(Storage(result.run_url)).list()]
+    assert kept == [step, EPOCHS * STEPS]  # the best, and keep_last's newest
+
+    ckpt = load_checkpoint(result.run_url, step="best")
+    assert ckpt.step == step and ckpt.manifest["score"] == {
+        "metric": "acc",
+        "mode": "min",
+        "value": metrics["acc"],
+    }
+    torch.set_num_threads(1)
+    task = build_task(cfg.task, cfg.task_args)
+    here = evaluate(
+        task,
+        load_model(result.run_url, step="best"),
+        task.build_eval_dataset(),
+        cfg,
+        step,
+        0,
+        1,
+        torch.device("cpu"),
+    )
+    assert here.metrics == metrics
+    assert "(best)" in format_show(report(Storage(result.run_url)))
+
+    more = train(
+        config(storage, "best", *EVAL, *best, "checkpoint.every_steps=0", "training.epochs=3"),
+        out=io.StringIO(),
+    )
+    assert more.status == "finished" and more.global_step == 3 * STEPS
+    later = [e for e in evaluation_events(result.run_url) if e[0] > EPOCHS * STEPS]
+    assert later and all(e[2]["acc"] > metrics["acc"] for e in later)  # none better: none checkpointed
+    assert [c.step for c in CheckpointStore(Storage(result.run_url)).list()] == [step, 3 * STEPS]
+
+
+def test_a_best_metric_the_evaluation_lacks_fails_once_with_the_names_it_has(tmp_path: object) -> None:
+    cfg = config(f"{tmp_path}/runs", "nope", *EVAL, "checkpoint.best_metric=accuracy")
+    with pytest.raises(TrainingFailedError) as err:
+        train(cfg, out=io.StringIO())
+    text = str(err.value)
+    assert (
+        "checkpoint.best_metric='accuracy' is not among the evaluation's metrics (acc, bits_per_char, loss)"
+        in text
+    )
+    assert "Retrying cannot help" in text
+    assert len(events(f"{tmp_path}/runs/nope", "group_started")) == 1  # not retried
+
+
+def test_a_best_metric_without_an_eval_set_is_a_config_error_before_training(tmp_path: object) -> None:
+    cfg = config(f"{tmp_path}/runs", "noeval", "checkpoint.best_metric=loss")
+    with pytest.raises(
+        ConfigError, match=r"checkpoint.best_metric='loss' needs an eval set, but .*returned None"
+    ):
+        train(cfg, out=io.StringIO())
