@@ -28,6 +28,7 @@ from torch import nn
 
 from cluster.config import EvaluationConfig, JobConfig
 from cluster.data import fetch_batch
+from cluster.errors import ConfigError
 from cluster.task import Task, extra_metrics
 
 
@@ -105,7 +106,7 @@ def evaluate(
                 if names is None:
                     names = sorted(metrics)
                 elif sorted(metrics) != names:
-                    raise TypeError(
+                    raise ConfigError(
                         f"Task.compute_eval returned metrics {sorted(metrics)} for eval batch {b} but "
                         f"{names} before: return the same names for every batch"
                     )
@@ -133,7 +134,7 @@ def _combine(everyone: list[dict[str, Any]], batches: int, seconds: float) -> Ev
     named = [r["names"] for r in everyone if r["names"] is not None]
     names = named[0] if named else []
     if any(other != names for other in named):
-        raise TypeError(f"Task.compute_eval returned different metric names on different ranks: {named}")
+        raise ConfigError(f"Task.compute_eval returned different metric names on different ranks: {named}")
     rows = sorted(row for r in everyone for row in r["batches"])
     if len(rows) != batches:
         raise RuntimeError(f"evaluation covered {len(rows)} of {batches} batches")  # a bug, not user input

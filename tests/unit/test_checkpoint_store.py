@@ -117,3 +117,51 @@ def test_failed_write_is_recorded_and_never_committed(tmp_path: object) -> None:
     assert record.error is not None
     assert "disk full" in record.error
     assert store.list() == []
+
+
+def scored(
+    store: CheckpointStore, step: int, value: float | None, metric: str = "loss", mode: str = "min"
+) -> None:
+    meta: dict[str, object] = {"epoch": 0}
+    if value is not None:
+        meta["score"] = {"metric": metric, "mode": mode, "value": value}
+    store.commit(step, {"model.pt": serialize({"w": torch.full((2,), float(step))})}, meta)
+
+
+def test_retention_keeps_the_best_scored_checkpoint_besides_the_newest(store: CheckpointStore) -> None:
+    for step, value in [(5, 0.9), (10, 0.4), (15, None), (20, 0.4), (25, float("nan")), (30, 0.6)]:
+        scored(store, step, value)
+    assert store.retain(keep_last=2, keep_best=True) == [5, 15, 20]  # 10: the first to reach 0.4
+    assert [i.step for i in store.list()] == [10, 25, 30]
+    assert store.retain(keep_last=1) == [10, 25]  # without keep_best, only the newest
+
+
+def test_the_best_follows_the_newest_score_s_metric_and_mode(store: CheckpointStore) -> None:
+    from cluster.checkpoint import best_of
+
+    scored(store, 5, 0.1, "loss", "min")
+    scored(store, 10, 0.7, "acc", "max")
+    scored(store, 15, 0.9, "acc", "max")
+    scored(store, 20, 0.8, "acc", "max")
+    best = best_of(store.list())
+    assert best is not None and best.step == 15  # not step 5's lower loss: another metric
+    assert best_of([]) is None
+
+
+def test_load_best_and_its_errors(tmp_path: object) -> None:
+    from cluster import load_checkpoint
+    from cluster.errors import CheckpointError
+
+    store = CheckpointStore(Storage(f"{tmp_path}/run"))
+    scored(store, 5, None)
+    with pytest.raises(
+        CheckpointError, match=r"no checkpoint of .* carries an evaluation score \(1 committed\)"
+    ):
+        load_checkpoint(f"{tmp_path}/run", step="best")
+    scored(store, 10, 2.0, "acc", "max")
+    scored(store, 15, 1.0, "acc", "max")
+    ckpt = load_checkpoint(f"{tmp_path}/run", step="best")
+    assert ckpt.step == 10 and torch.equal(ckpt.model["w"], torch.full((2,), 10.0))
+    Storage(f"{tmp_path}/run").write_bytes(f"{step_dir(10)}/model.pt", b"torn")
+    with pytest.raises(CheckpointError, match="fails its checksum"):
+        load_checkpoint(f"{tmp_path}/run", step="best")  # asked for by name: never silently another one

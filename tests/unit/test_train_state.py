@@ -11,7 +11,8 @@ import torch
 from cluster.checkpoint import deserialize, serialize
 from cluster.data import LEGACY_ORDER, TORCH_ORDER
 from cluster.errors import CheckpointError
-from cluster.worker import TrainState, _extra_metrics
+from cluster.task import extra_metrics
+from cluster.worker import TrainState
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -88,11 +89,11 @@ def test_a_train_state_without_sampler_order_resumes_in_the_legacy_order() -> No
 
 
 def test_extra_metrics_accept_numbers_and_scalar_tensors_and_name_what_is_wrong() -> None:
-    got = _extra_metrics({"acc": torch.tensor([0.5]), "n": 3})
+    got = extra_metrics({"acc": torch.tensor([0.5]), "n": 3})
     assert float(got["acc"]) == 0.5 and got["acc"].dtype == torch.float64 and got["n"] == 3.0
     with pytest.raises(TypeError, match="second item is a list"):
-        _extra_metrics([0.5])
+        extra_metrics([0.5])
     with pytest.raises(TypeError, match=r"'acc' is a tensor of shape \(2,\)"):
-        _extra_metrics({"acc": torch.zeros(2)})
+        extra_metrics({"acc": torch.zeros(2)})
     with pytest.raises(TypeError, match="'name' is a str"):
-        _extra_metrics({"name": "x"})
+        extra_metrics({"name": "x"})
