@@ -60,13 +60,15 @@ class FailurePolicy:
 
 
 class HangWatch:
-    """Tracks each rank's step; a rank whose step stops advancing past the hang timeout is hung."""
+    """Tracks each rank's step; a rank whose step stops advancing past the hang timeout is hung. An
+    evaluation's batches count as progress too (``Heartbeat.eval_batches``): a long evaluation is no hang."""
 
     def __init__(self, cfg: FailureConfig, start_step: int) -> None:
         self.cfg = cfg
         self.max_step = start_step
         self.max_step_time = 0.0
         self._last: dict[int, tuple[int, float]] = {}
+        self._evals: dict[int, int] = {}  # each rank's eval batches at its last progress
         self._t0 = time.monotonic()
 
     def timeout(self) -> float:
@@ -84,8 +86,11 @@ class HangWatch:
             self.max_step = max(self.max_step, beat.global_step)
             self.max_step_time = max(self.max_step_time, beat.max_step_time_s)
             prev = self._last.get(rank)
-            if prev is None or beat.global_step != prev[0] or not beat.in_epoch:
+            evals = beat.eval_batches
+            moved = prev is None or beat.global_step != prev[0] or evals != self._evals.get(rank)
+            if moved or not beat.in_epoch:
                 self._last[rank] = (beat.global_step, now)
+                self._evals[rank] = evals
         limit = self.timeout()
         stalled = [(now - t, rank) for rank, (_, t) in self._last.items()]
         silent = [r for r in range(len(beats)) if r not in self._last]

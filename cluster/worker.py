@@ -218,6 +218,8 @@ class Heartbeat:
     none of them); empty on other ranks."""
     pace: Pace | None = None
     """This rank's steps since its previous heartbeat (None when it took none): how long its own part took."""
+    eval_batches: int = 0
+    """Eval batches this process has evaluated: progress while an evaluation runs and no step does."""
 
 
 SLOW_FAULT_S = 0.05
@@ -278,6 +280,7 @@ class Worker:
         self._last_checkpoint = -1  # the step of the newest checkpoint in this process (rank 0 wrote it)
         self._best: dict[str, Any] | None = None  # TrainState.best_eval
         self._last_eval: tuple[int, dict[str, float]] | None = None  # (step, loss and metrics)
+        self._eval_batches = 0
         self._best_at: int | None = None  # the step of an evaluation that became the best: checkpoint it
         self.gpu_index = 0  # this rank's GPU among the visible ones (``use_gpus``)
         self.faults = self._faults()
@@ -933,7 +936,8 @@ class Worker:
         crash = any(f.kind == "crash_in_eval" and f.step == self.global_step for f in self.faults)
 
         def alive() -> None:
-            self._last_step_at = time.time()  # each eval batch is progress for the hang watch
+            self._last_step_at = time.time()
+            self._eval_batches += 1  # progress for the hang watch
             if crash:
                 os.kill(os.getpid(), signal.SIGKILL)
 
@@ -1094,6 +1098,7 @@ class Worker:
             self._in_epoch,
             rows=self._drain_rows(),
             pace=self._pace.take(),
+            eval_batches=self._eval_batches,
         )
 
     def _drain_rows(self) -> list[dict[str, Any]]:

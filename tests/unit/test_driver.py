@@ -733,3 +733,17 @@ def test_the_automatic_hang_timeout_stays_below_the_process_group_timeout() -> N
     assert watch.timeout() == 30
     watch.update([Heartbeat(0, 2, 0.0, 50.0, True)])  # a 50 s step would make it 500 s
     assert watch.timeout() == 90
+
+
+def test_an_evaluation_s_batches_are_progress_for_the_hang_watch() -> None:
+    """No step advances while an evaluation runs: its batches keep the rank from being called hung, and a
+    rank stuck inside one is still found."""
+    from cluster.policy import HangWatch
+
+    watch = HangWatch(load_config(overrides=["failures.hang_timeout_s=0.2"]).failures, 0)
+    for batches in range(1, 5):  # 0.4 s at step 7, one eval batch every 0.1 s
+        assert watch.update([Heartbeat(0, 7, 0.0, 0.01, True, eval_batches=batches)]) is None
+        time.sleep(0.1)
+    time.sleep(0.15)
+    hung = watch.update([Heartbeat(0, 7, 0.0, 0.01, True, eval_batches=4)])
+    assert hung is not None and hung[0] == 0 and "no progress" in hung[1]
