@@ -1,4 +1,5 @@
-"""``python -m cluster plot``: a run's loss and throughput vs global step, as a PNG (matplotlib, Agg).
+"""``python -m cluster plot``: a run's loss (training, and evaluation when there is one) and throughput vs
+global step, as a PNG (matplotlib, Agg).
 
 matplotlib is optional (``pip install -e '.[plot]' (from the repository root)``); without it ``plot``
 raises InspectError saying so.
@@ -6,7 +7,7 @@ raises InspectError saying so.
 
 from __future__ import annotations
 
-from cluster.inspect import InspectError, read_events, read_run_json
+from cluster.inspect import InspectError, eval_rows, read_events, read_run_json
 from cluster.metrics import read_metrics
 from cluster.storage import Storage
 
@@ -66,6 +67,16 @@ def plot_png(storage: Storage, out_path: str) -> tuple[int, int]:
                 "o",
                 color="black",
                 label="epoch mean",
+            )
+        evals = eval_rows(rows)
+        if evals:
+            ax_loss.plot(
+                [r["global_step"] for r in evals],
+                [r["loss"] for r in evals],
+                "s-",
+                color="tab:green",
+                ms=4,
+                label="eval loss",
             )
         for step in failures:
             if isinstance(step, int):
