@@ -133,6 +133,9 @@ class EvaluationConfig:
     max_batches: int | None = None
     """Evaluate only the first this many batches of the eval set (a quick look at a large one); ``null``:
     all of it."""
+    patience: int | None = None
+    """Early stopping: end the run when ``checkpoint.best_metric`` has not improved for this many
+    evaluations in a row (checkpointed there; the best checkpoint is kept). ``null``: never."""
 
 
 @dataclass
@@ -504,6 +507,11 @@ def validate(cfg: JobConfig) -> None:
     if c.keep_last < 1:
         raise ConfigError(f"checkpoint.keep_last={c.keep_last} must be at least 1 (resuming needs one)")
     _validate_evaluation(cfg.evaluation)
+    if cfg.evaluation.patience is not None and c.best_metric is None:
+        raise ConfigError(
+            f"evaluation.patience={cfg.evaluation.patience} stops the run when checkpoint.best_metric stops "
+            "improving, but checkpoint.best_metric is null; set it (e.g. checkpoint.best_metric=loss)"
+        )
     if f.max_failures < -1:
         raise ConfigError(f"failures.max_failures={f.max_failures} must be -1 (unlimited) or at least 0")
     if f.hang_timeout_s is not None and f.hang_timeout_s <= 0:
@@ -560,6 +568,8 @@ def _validate_evaluation(e: EvaluationConfig) -> None:
         )
     if e.max_batches is not None and e.max_batches < 1:
         raise ConfigError(f"evaluation.max_batches={e.max_batches} must be positive, or null for all")
+    if e.patience is not None and e.patience < 1:
+        raise ConfigError(f"evaluation.patience={e.patience} must be positive, or null for no early stopping")
 
 
 def _validate_tracking(tr: TrackingConfig) -> None:

@@ -32,7 +32,7 @@ from typing import Any, TextIO
 import torch
 
 from cluster import local_ray
-from cluster.checkpoint import CheckpointStore, CommitRecord, step_dir
+from cluster.checkpoint import CheckpointInfo, CheckpointStore, CommitRecord, step_dir
 from cluster.config import JobConfig
 from cluster.errors import (
     CheckpointError,
@@ -109,6 +109,8 @@ class Result:
     evaluation: dict[str, Any] | None = None
     """The latest evaluation of this submission (``global_step``, ``epoch``, ``loss`` and the task's eval
     metrics); None when the task has no eval set or none ran."""
+    stopped_early: bool = False
+    """Early stopping (``evaluation.patience``) ended the run before its last epoch."""
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -158,6 +160,7 @@ class Driver:
         self._slow_reports: list[dict[str, Any]] = []
         self._evaluated: set[int] = set()  # global steps whose evaluation was recorded (any submission)
         self.last_eval: dict[str, Any] | None = None
+        self.stopped_early = False
 
     # ------------------------------------------------------------------ public
     def run(self) -> Result:
@@ -274,7 +277,7 @@ class Driver:
         is already complete. The workers resume from that same checkpoint, so they never disagree."""
         store = CheckpointStore(self.storage)
         for info in reversed(store.list()):
-            if info.epoch < self.cfg.training.epochs:
+            if info.epoch < self.cfg.training.epochs and not self._ended_early(info):
                 return Starting()  # the newest usable checkpoint (this or an older one) leaves work to do
             try:
                 store.read_verified(info)
@@ -284,14 +287,30 @@ class Driver:
                 )
                 continue
             self.global_step, self.epoch = info.step, info.epoch
-            self._print(
-                f"[{self.cfg.name}] all {self.cfg.training.epochs} epochs are already done "
-                "(checkpoint at step "
-                f"{self.global_step}); nothing to train"
+            if info.epoch < self.cfg.training.epochs:  # ended by early stopping
+                self.stopped_early = True
+                self._print(
+                    f"[{self.cfg.name}] stopped early at step {self.global_step} (evaluation.patience="
+                    f"{self.cfg.evaluation.patience}); nothing to train. Raise evaluation.patience, or set "
+                    "it to null, to train on"
+                )
+            else:
+                self._print(
+                    f"[{self.cfg.name}] all {self.cfg.training.epochs} epochs are already done "
+                    "(checkpoint at step "
+                    f"{self.global_step}); nothing to train"
+                )
+            self.events.append(
+                "already_complete", global_step=self.global_step, early_stopped=self.stopped_early
             )
-            self.events.append("already_complete", global_step=self.global_step)
             return Finished()
         return Starting()
+
+    def _ended_early(self, info: CheckpointInfo) -> bool:
+        """The checkpoint early stopping wrote at the run's end, and this job stops as early: with the same
+        ``evaluation.patience`` (or a smaller one) a resubmission has nothing to train."""
+        stopped, patience = info.manifest.get("early_stopped"), self.cfg.evaluation.patience
+        return isinstance(stopped, dict) and patience is not None and int(stopped.get("since", 0)) >= patience
 
     # ------------------------------------------------------------------ steps
     def _start(self, s: Starting) -> State:
@@ -416,6 +435,8 @@ class Driver:
                 watch.update(self._beats(timeout=0.5))  # survivors know how far training got
                 return self._on_failure(failure, watch.max_step)
             if results is not None:
+                if results[0].early_stopped:
+                    return self._stopped_early(s, results[0], time.time() - t_epoch)
                 if self._move is not None and self._move.stopping:
                     return Moving(self._move, results, s.start_step, time.time() - t_epoch, s.recovery)
                 if self._grow_at is not None:
@@ -442,6 +463,37 @@ class Driver:
             self.group.run_epoch(next_state.epoch, next_state.start_step)
         self._record_epoch(head, wall_s, s.recovery)
         return next_state
+
+    def _stopped_early(self, s: Running, head: EpochResult, wall_s: float) -> State:
+        """Early stopping (``evaluation.patience``) ended the run at ``head.global_step``; the ranks
+        checkpointed there. Record what was trained and finish."""
+        if self._move is not None and self.group is not None:
+            self.group.cancel_move()  # the run ends here: nothing left to move
+        self._move, self._grow_at = None, None
+        if self.steps_per_epoch and head.global_step % self.steps_per_epoch == 0:
+            self._record_epoch(head, wall_s, s.recovery)  # the evaluation ended a whole epoch
+        else:
+            self._record_partial(head, s.recovery)
+            self.global_step = head.global_step
+        best = head.best or {}
+        metric = self.cfg.checkpoint.best_metric
+        self.stopped_early = True
+        self.events.append(
+            "early_stopped",
+            global_step=head.global_step,
+            metric=metric,
+            best_step=best.get("step"),
+            best_value=best.get("value"),
+            evaluations_since_best=best.get("since"),
+            patience=self.cfg.evaluation.patience,
+        )
+        self._print(
+            f"[{self.cfg.name}] stopping early at step {head.global_step}: {metric} has not improved for "
+            f"{best.get('since')} evaluations (evaluation.patience={self.cfg.evaluation.patience}); the "
+            f"best, {best.get('value', float('nan')):.4g} at step {best.get('step')}, is kept: "
+            f'load_model(run, step="best")'
+        )
+        return Finishing(loss=head.loss)
 
     def _after_epoch(self, head: EpochResult) -> State:
         cfg = self.cfg
@@ -1020,6 +1072,7 @@ class Driver:
             error=str(error) if error is not None else None,
             slow_ranks=list(self._slow_reports),
             evaluation=self.last_eval,
+            stopped_early=self.stopped_early,
         )
 
 

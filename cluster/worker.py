@@ -202,6 +202,10 @@ class EpochResult:
     """This rank's mean over the epoch's steps of each extra metric ``Task.compute_loss`` returned."""
     stopped: bool = False
     """The driver stopped the epoch before its end (``Worker.stop_at``); ``global_step`` is where."""
+    early_stopped: bool = False
+    """Early stopping (``evaluation.patience``) ended the run at ``global_step``, checkpointed there."""
+    best: dict[str, Any] | None = None
+    """With ``early_stopped``: the best evaluation (``TrainState.best_eval``)."""
 
 
 @dataclass(frozen=True)
@@ -781,11 +785,13 @@ class Worker:
         first_step_at = None
         steps = samples = 0
         stopped = False
+        early = False  # early stopping (evaluation.patience): the run ends at this step
         if evaluate_first and self._eval_dataset is not None:
             self._evaluate(s)
-            if self._best_due():
+            early = self._early_stop_due()
+            if self._best_due() or (early and self._last_checkpoint != self.global_step):
                 self._checkpoint(s)
-        for local_idx in s.sampler:
+        for local_idx in s.sampler if not early else ():
             if self._stop.dispatch == dispatch and self._stopping(dispatch):
                 stopped = True
                 break
@@ -817,18 +823,27 @@ class Worker:
             mid_epoch = self.step_in_epoch < s.sampler.steps_per_epoch  # the epoch's end evaluates below
             if self._eval_dataset is not None and mid_epoch and self._eval_due(s):
                 self._evaluate(s)
-            if self._checkpoint_due_at_step(s) or (mid_epoch and self._best_due()):
+                early = self._early_stop_due()
+            if self._checkpoint_due_at_step(s) or (mid_epoch and (self._best_due() or early)):
                 stall = self._checkpoint(s)
             if self.rank == 0 and (self.global_step % tcfg.log_every_steps == 0 or stall):
                 self._rows.append(self._step_row(s, loss, metrics, dt, stall, now))
+            if early:
+                break
         st = self._stop
         if st.dispatch == dispatch and not st.known.wait(self.cfg.failures.process_group_timeout_s):
             raise RuntimeError("asked to stop, but not told at which step")  # the epoch ended first
-        if not stopped and self._eval_dataset is not None and self._eval_due(s):
+        at_end = not stopped and self.step_in_epoch == s.sampler.steps_per_epoch
+        if at_end and not early and self._eval_dataset is not None and self._eval_due(s):
             self._evaluate(s)  # before the checkpoint of the same step
+            early = self._early_stop_due()
         if st.dispatch == dispatch and st.checkpoint and self._last_checkpoint != self.global_step:
             self._checkpoint(s)  # the stop asked for one (a move without peers, a notice too short)
-        elif not stopped and (self._checkpoint_due_at_epoch_end(epoch) or self._best_due()):
+        elif (
+            at_end
+            and (self._checkpoint_due_at_epoch_end(epoch) or self._best_due() or early)
+            and self._last_checkpoint != self.global_step
+        ):
             self._checkpoint(s)
         # One collective per epoch for the reported loss; nothing per step.
         totals = torch.tensor([float(loss_sum), float(steps)], dtype=torch.float64)
@@ -849,6 +864,8 @@ class Worker:
             commits=s.writer.drain() if s.writer else [],
             metrics={k: float(v) / max(steps, 1) for k, v in metric_sums.items()},
             stopped=stopped,
+            early_stopped=early,
+            best=dict(self._best) if early and self._best is not None else None,
         )
 
     def _seed_step(self, s: TrainSession, seed: int) -> None:
@@ -982,8 +999,9 @@ class Worker:
 
     def _is_best(self, values: dict[str, float]) -> bool:
         """Whether this evaluation beats every earlier one by ``checkpoint.best_metric`` (and becomes the
-        best). Every rank holds the same values and the same best, so every rank decides alike. The best
-        evaluated again at its own step (after a failure took its checkpoint or its record) counts again."""
+        best); counts the evaluations since the best (early stopping). Every rank holds the same values and
+        the same best, so every rank decides alike. An evaluation that runs again at the same step (after a
+        failure took its checkpoint or its record) is not counted twice."""
         metric = self.cfg.checkpoint.best_metric
         if metric is None:
             return False
@@ -992,16 +1010,32 @@ class Worker:
                 f"checkpoint.best_metric={metric!r} is not among the evaluation's metrics "
                 f"({', '.join(sorted(values))}): name one of them, or null for no best checkpoint"
             )
-        value, best = values[metric], self._best
+        value, best, step = values[metric], self._best, self.global_step
+        if best is not None and best.get("last") == step:
+            return bool(best["step"] == step)
         if math.isnan(value):
-            return False
-        if best is not None and best["step"] != self.global_step:
-            if self.cfg.checkpoint.best_mode == "min" and not value < best["value"]:
-                return False
-            if self.cfg.checkpoint.best_mode == "max" and not value > best["value"]:
-                return False
-        self._best = {"value": value, "step": self.global_step}
-        return True
+            better = False
+        elif best is None:
+            better = True
+        elif self.cfg.checkpoint.best_mode == "min":
+            better = value < best["value"]
+        else:
+            better = value > best["value"]
+        if better:
+            self._best = {"value": value, "step": step, "since": 0, "last": step}
+        elif best is not None:
+            self._best = {**best, "since": int(best.get("since", 0)) + 1, "last": step}
+        return better
+
+    def _early_stop_due(self) -> bool:
+        """This step's evaluation is the ``evaluation.patience``-th in a row without a new best."""
+        patience, best = self.cfg.evaluation.patience, self._best
+        return (
+            patience is not None
+            and best is not None
+            and best.get("last") == self.global_step
+            and int(best.get("since", 0)) >= patience
+        )
 
     def _best_due(self) -> bool:
         """A checkpoint of this step's new best evaluation, unless one of this step exists."""
@@ -1062,6 +1096,8 @@ class Worker:
                     "mode": self.cfg.checkpoint.best_mode,
                     "value": self._last_eval[1][metric],
                 }
+            if self._early_stop_due() and self._best is not None:
+                meta["early_stopped"] = {**self._best, "patience": self.cfg.evaluation.patience}
         stall = s.writer.save(
             self.global_step,
             state.epoch,

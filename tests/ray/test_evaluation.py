@@ -167,3 +167,39 @@ def test_a_best_metric_without_an_eval_set_is_a_config_error_before_training(tmp
         ConfigError, match=r"checkpoint.best_metric='loss' needs an eval set, but .*returned None"
     ):
         train(cfg, out=io.StringIO())
+
+
+def test_early_stopping_ends_the_run_keeps_the_best_and_a_resubmission_without_it_trains_on_exactly(
+    plain: dict[str, torch.Tensor], tmp_path: object
+) -> None:
+    """Scored by the lowest accuracy, which only rises: the first evaluation (step 10) stays the best, and
+    with evaluation.patience=2 the run ends at the second one after it (step 20, mid-epoch 2), checkpointed
+    there. The same job again has nothing to train; without patience it trains on from step 20, and its
+    final weights are bitwise those of the run that never stopped."""
+    storage = f"{tmp_path}/runs"
+    early = [*EVAL, "checkpoint.best_metric=acc", "checkpoint.best_mode=min", "checkpoint.every_steps=0"]
+    out = io.StringIO()
+    result = train(config(storage, "early", *early, "evaluation.patience=2"), out=out)
+    assert result.status == "finished" and result.stopped_early and result.global_step == 20
+    assert [e[0] for e in evaluation_events(result.run_url)] == [10, 15, 20]
+    (stop,) = events(result.run_url, "early_stopped")
+    assert (stop["global_step"], stop["best_step"], stop["evaluations_since_best"], stop["patience"]) == (
+        20,
+        10,
+        2,
+        2,
+    )
+    assert "stopping early at step 20: acc has not improved for 2 evaluations" in out.getvalue()
+    infos = CheckpointStore(Storage(result.run_url)).list()
+    assert [i.step for i in infos] == [10, 20]  # the best (step 10) and the run's end
+    assert infos[-1].manifest["early_stopped"]["step"] == 10
+    assert load_checkpoint(result.run_url, step="best").step == 10
+
+    again = train(config(storage, "early", *early, "evaluation.patience=2"), out=io.StringIO())
+    assert again.stopped_early and again.global_step == 20 and again.attempts == 1
+    assert events(result.run_url, "already_complete")[-1]["early_stopped"] is True
+
+    on = train(config(storage, "early", *early), out=io.StringIO())
+    assert not on.stopped_early and on.global_step == EPOCHS * STEPS
+    assert [e[0] for e in evaluation_events(result.run_url)] == [10, 15, 20, 30]  # 20 not evaluated twice
+    assert_bitwise_equal(final_model(result.run_url), plain)

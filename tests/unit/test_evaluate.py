@@ -125,6 +125,9 @@ def test_the_ranks_shares_combine_in_batch_order_whatever_the_order_they_arrive(
         ("evaluation.batch_size=0", "evaluation.batch_size=0 must be positive"),
         ("evaluation.max_batches=0", "evaluation.max_batches=0 must be positive"),
         ("evaluation.every_step=3", "did you mean 'evaluation.every_steps'"),
+        ("evaluation.patience=0", "evaluation.patience=0 must be positive"),
+        ("evaluation.patience=3", "checkpoint.best_metric is null; set it"),
+        ("checkpoint.best_metric=' '", "checkpoint.best_metric is empty"),
     ],
 )
 def test_bad_evaluation_settings_are_config_errors(override: str, message: str) -> None:
