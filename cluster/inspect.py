@@ -466,7 +466,7 @@ def report(storage: Storage, verify_all: bool = False) -> RunReport:
             for k in sorted(set(first) | set(last))
             if first.get(k) != last.get(k)
         ]
-    notable = ("resize", "checkpoint_skipped", "checkpoint_failed", "run_failed", "failed")
+    notable = ("resize", "checkpoint_skipped", "checkpoint_failed", "run_failed", "failed", "early_stopped")
     table = read_metrics(storage)
     metric_rows = table.to_pylist()
     epochs = [r for r in metric_rows if r["kind"] == "epoch"]

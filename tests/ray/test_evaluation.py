@@ -194,6 +194,7 @@ def test_early_stopping_ends_the_run_keeps_the_best_and_a_resubmission_without_i
     assert [i.step for i in infos] == [10, 20]  # the best (step 10) and the run's end
     assert infos[-1].manifest["early_stopped"]["step"] == 10
     assert load_checkpoint(result.run_url, step="best").step == 10
+    assert "early_stopped:" in format_show(report(Storage(result.run_url)))
 
     again = train(config(storage, "early", *early, "evaluation.patience=2"), out=io.StringIO())
     assert again.stopped_early and again.global_step == 20 and again.attempts == 1
