@@ -177,7 +177,13 @@ def test_early_stopping_ends_the_run_keeps_the_best_and_a_resubmission_without_i
     there. The same job again has nothing to train; without patience it trains on from step 20, and its
     final weights are bitwise those of the run that never stopped."""
     storage = f"{tmp_path}/runs"
-    early = [*EVAL, "checkpoint.best_metric=acc", "checkpoint.best_mode=min", "checkpoint.every_steps=0"]
+    early = [
+        *EVAL,
+        "checkpoint.best_metric=acc",
+        "checkpoint.best_mode=min",
+        "checkpoint.every_steps=0",
+        "checkpoint.keep_last=1",
+    ]
     out = io.StringIO()
     result = train(config(storage, "early", *early, "evaluation.patience=2"), out=out)
     assert result.status == "finished" and result.stopped_early and result.global_step == 20
