@@ -77,8 +77,9 @@ class TrainState:
     """How the run's sampler seeds each epoch's permutation (``cluster.data.LEGACY_ORDER`` or
     ``TORCH_ORDER``): fixed for the life of a run, so a resumed run keeps its data order."""
     best_eval: dict[str, Any] | None = None
-    """The best evaluation so far by ``checkpoint.best_metric`` (``{"value", "step"}``), so that a resumed
-    run checkpoints only evaluations better than every earlier one."""
+    """The best evaluation so far by ``checkpoint.best_metric``: ``value`` and ``step``, ``since`` (the
+    evaluations after it, for ``evaluation.patience``) and ``last`` (the step of the latest one counted), so
+    that a resumed run checkpoints only evaluations better than every earlier one, and stops as early."""
 
     # Keys that checkpoints written by earlier versions carry and that resume does not need.
     LEGACY_KEYS = frozenset({"sample_offset", "rng"})
@@ -281,7 +282,7 @@ class Worker:
         self._task_lock = threading.Lock()  # a hot spare's setup can begin while ``prepare`` builds the task
         self._inputs: InputPipeline | None = None
         self._stop = _StopRequest()
-        self._last_checkpoint = -1  # the step of the newest checkpoint in this process (rank 0 wrote it)
+        self._last_checkpoint = -1  # the newest checkpoint's step this process wrote or resumed from
         self._best: dict[str, Any] | None = None  # TrainState.best_eval
         self._last_eval: tuple[int, dict[str, float]] | None = None  # (step, loss and metrics)
         self._eval_batches = 0
