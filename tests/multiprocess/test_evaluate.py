@@ -132,3 +132,41 @@ def test_the_result_is_the_same_at_every_world_size_and_uses_rank_0_s_statistics
     x, y = BNTask().build_eval_dataset().tensors
     with torch.no_grad():
         assert float(nn.functional.cross_entropy(other(x), y)) != pytest.approx(loss, rel=1e-6)
+
+
+def test_best_and_early_stop_checkpoints_are_taken_by_every_rank_under_zero(tmp_path: Any) -> None:
+    """With ``training.zero`` a checkpoint is a collective (the optimizer state is gathered on rank 0): the
+    checkpoints an evaluation asks for (a new best, the early stop) must be taken on every rank at the same
+    step, or the ranks would wait on each other until the timeout. Scored by the highest loss, which falls:
+    step 2 stays the best, and patience=2 ends the run at step 6."""
+    from cluster.checkpoint import CheckpointStore
+    from cluster.storage import Storage
+    from tests.multiprocess.mp_helpers import run_workers, tiny_config
+
+    storage = f"{tmp_path}/s"
+    cfg = tiny_config(
+        storage,
+        [
+            "training.zero=true",
+            "training.max_steps_per_epoch=10",
+            "task_args.eval_chars=2048",
+            "evaluation.every_steps=2",
+            "evaluation.patience=2",
+            "checkpoint.best_metric=loss",
+            "checkpoint.best_mode=max",
+            "checkpoint.every_steps=0",
+        ],
+    )
+    out = tmp_path / "o"
+    out.mkdir()
+    ranks = run_workers(2, cfg, f"{storage}/run", [(0, 0)], str(out), timeout=150)
+    assert [r["epochs"][0][1] for r in ranks] == [6, 6]  # both ranks stopped at step 6
+    infos = CheckpointStore(Storage(f"{storage}/run")).list()
+    assert [i.step for i in infos] == [2, 6]
+    assert infos[0].manifest["score"]["metric"] == "loss"
+    assert (
+        infos[1].manifest["early_stopped"]["step"] == 2 and infos[1].manifest["early_stopped"]["since"] == 2
+    )
+    for info in infos:  # gathered whole: optimizer state for every parameter (the char-LM has no buffers)
+        state = CheckpointStore(Storage(f"{storage}/run")).load_step(info.step)
+        assert len(state["train_state.pt"]["optimizer"]["state"]) == len(state["model.pt"])
