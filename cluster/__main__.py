@@ -4,13 +4,14 @@
     python -m cluster show ./runs/tiny-cpu                 # config, failures, checkpoints, metrics
     python -m cluster show s3://bucket/runs gpt-gpu --verify   # also checksum every checkpoint
     python -m cluster plot ./runs/tiny-cpu --out tiny.png  # loss and samples/s vs global step
+    python -m cluster eval ./runs/tiny-cpu --step best     # a checkpoint on the run's eval set, here
     python -m cluster docs-config --write docs/config.md   # regenerate the config reference
 
 Storage credentials come from the usual environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS) or from
 ``-o key=value`` fsspec storage options (``-o endpoint_url=http://127.0.0.1:9000``).
 
-Exit status: 0 on success, 2 for a URL without runs, an unknown run name or a bad argument, 1 when storage
-cannot be read.
+Exit status: 0 on success, 2 for a URL without runs, an unknown run name, a bad argument or a checkpoint
+that cannot be loaded, 1 when storage cannot be read.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 import yaml
 
 from cluster import docs, inspect, plot
-from cluster.errors import StorageError
+from cluster.errors import CheckpointError, StorageError
 from cluster.storage import url_problem
 
 
@@ -80,6 +81,24 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("name", nargs="?", help="run name under URL")
     pl.add_argument("--out", required=True, help="PNG file to write, e.g. loss.png")
 
+    ev = add("eval", "evaluate a checkpoint on its run's eval set, in this process (the run's Task; no Ray)")
+    ev.add_argument("url", help="URL/NAME of a run, or the storage URL when NAME is given")
+    ev.add_argument("name", nargs="?", help="run name under URL")
+    ev.add_argument(
+        "--step", default=None, help="a checkpoint's step, or best (default: the latest verified)"
+    )
+    ev.add_argument(
+        "--task-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one of the run's task_args (repeatable), e.g. to evaluate another split",
+    )
+    ev.add_argument("--batch-size", type=int, default=None, help="samples per batch (default: the run's)")
+    ev.add_argument("--max-batches", type=int, default=None, help="evaluate only the first N batches")
+    ev.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: cpu)")
+    ev.add_argument("--json", action="store_true", help="print JSON instead of text")
+
     dc = sub.add_parser("docs-config", help="print the configuration reference (docs/config.md, generated)")
     dc.add_argument("--write", metavar="FILE", help="replace the reference block in this file instead")
     return p
@@ -116,10 +135,44 @@ def main(argv: list[str] | None = None) -> int:
             storage = inspect.open_run(args.url, args.name, options)
             width, height = plot.plot_png(storage, args.out)
             print(f"wrote {args.out} ({width}x{height})")
+        elif args.command == "eval":
+            return _eval(args, options)
     except StorageError as exc:
         return _error(f"storage error: {exc}", 1)
+    except CheckpointError as exc:
+        return _error(f"error: {exc}", 2)
     except (inspect.InspectError, ValueError, OSError) as exc:  # OSError: e.g. --out in a missing folder
         return _error(f"error: {exc}", 2)
+    return 0
+
+
+def _eval(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    from cluster.load import evaluate_checkpoint
+
+    storage = inspect.open_run(args.url, args.name, options)
+    step: Any = args.step
+    if step is not None and step != "best":
+        try:
+            step = int(step)
+        except ValueError:
+            return _error(f"error: --step {step!r} must be a step number or best", 2)
+    res = evaluate_checkpoint(
+        storage.root,
+        step,
+        options,
+        task_args=_options(args.task_arg),
+        device=args.device,
+        batch_size=args.batch_size,
+        max_batches=args.max_batches,
+    )
+    if args.json:
+        print(json.dumps(asdict(res), indent=1))
+    else:
+        shown = "".join(f", {k} {v:.4g}" for k, v in res.metrics.items())
+        print(
+            f"step {res.step}: loss {res.loss:.4f}{shown} ({res.samples} samples, {res.batches} batches, "
+            f"{res.seconds:.1f}s)"
+        )
     return 0
 
 

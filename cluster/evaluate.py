@@ -39,6 +39,8 @@ class EvalResult:
     samples: int = 0
     batches: int = 0
     seconds: float = 0.0
+    step: int | None = None
+    """The global step of the model evaluated (it also seeds each eval batch's random draws)."""
 
 
 def eval_batch_size(cfg: JobConfig) -> int:
@@ -126,7 +128,9 @@ def evaluate(
         dist.all_gather_object(everyone, mine)
     else:
         everyone = [mine]
-    return _combine(everyone, batches, time.perf_counter() - t0)
+    result = _combine(everyone, batches, time.perf_counter() - t0)
+    result.step = step
+    return result
 
 
 def _combine(everyone: list[dict[str, Any]], batches: int, seconds: float) -> EvalResult:

@@ -4,12 +4,16 @@ and that an evaluation a SIGKILLed rank cut short runs again, once, with the sam
 from __future__ import annotations
 
 import io
+import json
+import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
 import torch
 
-from cluster import load_checkpoint, load_config, load_model, train
+from cluster import evaluate_checkpoint, load_checkpoint, load_config, load_model, train
 from cluster.checkpoint import CheckpointStore
 from cluster.config import JobConfig
 from cluster.errors import ConfigError, TrainingFailedError
@@ -21,6 +25,8 @@ from cluster.task import build_task
 from tests.ray.test_faults import EPOCHS, STEPS, assert_bitwise_equal, events, final_model, overrides
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 EVAL = ["task_args.eval_chars=4096", "evaluation.every_steps=10"]  # at 10, 15 (epoch end), 20 and 30
 EVAL_STEPS = [10, 15, 20, 30]
@@ -56,7 +62,7 @@ def evaluation_events(run_url: str) -> list[tuple[int, float, dict[str, float]]]
 def test_evaluations_record_the_saved_model_s_loss_and_leave_training_unchanged(
     plain: dict[str, torch.Tensor], evaluated: tuple[Any, str, JobConfig]
 ) -> None:
-    result, console, cfg = evaluated
+    result, console, _ = evaluated
     # dropout is on in training (task_args.dropout=0.1): the eval's own random draws and its eval mode
     # changed nothing in the steps after it
     assert_bitwise_equal(final_model(result.run_url), plain)
@@ -75,10 +81,18 @@ def test_evaluations_record_the_saved_model_s_loss_and_leave_training_unchanged(
 
     # the last evaluation is the final checkpoint's loss on the held-out text, computed here in one process
     torch.set_num_threads(1)  # as each worker (scaling.cpus_per_worker=1)
-    task = build_task(cfg.task, cfg.task_args)
-    model = load_model(result.run_url)
-    here = evaluate(task, model, task.build_eval_dataset(), cfg, EPOCHS * STEPS, 0, 1, torch.device("cpu"))
-    assert (here.loss, here.metrics) == (recorded[-1][1], recorded[-1][2])
+    here = evaluate_checkpoint(result.run_url)
+    assert (here.step, here.loss, here.metrics) == (EPOCHS * STEPS, recorded[-1][1], recorded[-1][2])
+    # and from the command line (one thread too)
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    run = [sys.executable, "-m", "cluster", "eval", result.run_url]
+    cli = subprocess.run([*run, "--json"], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout)["loss"] == recorded[-1][1]
+    bad = subprocess.run(
+        [*run, "--task-arg", "eval_chars=0"], env=env, cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 2 and "build_eval_dataset() returned no data" in bad.stderr, bad.stderr
 
     text = format_show(report(Storage(result.run_url)))
     assert "evaluations (4)" in text and "BITS_PER_CHAR" in text
