@@ -112,7 +112,7 @@ def evaluate(
                         f"Task.compute_eval returned metrics {sorted(metrics)} for eval batch {b} but "
                         f"{names} before: return the same names for every batch"
                     )
-                row = [loss.detach().double().reshape(())] + [
+                row = [_scalar(loss, b)] + [
                     torch.as_tensor(metrics[k], dtype=torch.float64, device=device) for k in names
                 ]
                 values.append(torch.stack([v.to(device) for v in row]))
@@ -131,6 +131,17 @@ def evaluate(
     result = _combine(everyone, batches, time.perf_counter() - t0)
     result.step = step
     return result
+
+
+def _scalar(loss: Any, batch: int) -> torch.Tensor:
+    """The eval loss of one batch as a 0-d float64 tensor (a float is fine too)."""
+    value = torch.as_tensor(loss).detach()
+    if value.numel() != 1:
+        raise ConfigError(
+            f"Task.compute_eval returned a loss of shape {tuple(value.shape)} for eval batch {batch}: return "
+            "the batch's mean loss, a scalar"
+        )
+    return value.double().reshape(())
 
 
 def _combine(everyone: list[dict[str, Any]], batches: int, seconds: float) -> EvalResult:

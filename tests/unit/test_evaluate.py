@@ -175,3 +175,23 @@ def test_show_lists_each_step_once_and_names_the_lowest_loss() -> None:
     text = "\n".join(format_evaluations(rows, last=2))
     assert "evaluations (3)" in text and "(1 earlier evaluations not shown)" in text
     assert "ACC" in text and "lowest eval loss: 0.4000 at step 8" in text
+
+
+def test_a_float_loss_is_fine_and_a_non_scalar_one_is_a_clear_error() -> None:
+    class FloatLoss(Mean):
+        def compute_eval(self, model: nn.Module, batch: Any) -> tuple[Any, dict[str, Any]]:
+            (y,) = batch
+            return float(y.sum()) / len(y), {}
+
+    class Vector(Mean):
+        def compute_eval(self, model: nn.Module, batch: Any) -> tuple[Any, dict[str, Any]]:
+            (y,) = batch
+            return y, {}
+
+    cfg = load_config(None, ["evaluation.batch_size=4"])
+    ds = Mean().build_eval_dataset()
+    assert evaluate(FloatLoss(), nn.Linear(1, 1), ds, cfg, 0, 0, 1, torch.device("cpu")).loss == 4.5
+    with pytest.raises(
+        ConfigError, match=r"a loss of shape \(4,\) for eval batch 0: return the batch's mean"
+    ):
+        evaluate(Vector(), nn.Linear(1, 1), ds, cfg, 0, 0, 1, torch.device("cpu"))
