@@ -65,6 +65,55 @@ def eval_due(step: int, steps_per_epoch: int, epochs: int, e: EvaluationConfig) 
     return done == epochs or bool(e.every_epochs and done % e.every_epochs == 0)
 
 
+class BestEval:
+    """The best evaluation so far by ``checkpoint.best_metric``, and the evaluations since it (early
+    stopping). ``state`` is what the train state carries (``TrainState.best_eval``): ``value`` and ``step``
+    of the best, ``since`` (evaluations after it) and ``last`` (the step of the latest one counted). Every
+    rank holds the same values and the same state, so every rank decides alike."""
+
+    def __init__(self, metric: str | None, mode: str, patience: int | None) -> None:
+        self.metric, self.mode, self.patience = metric, mode, patience
+        self.state: dict[str, Any] | None = None
+
+    def update(self, step: int, values: dict[str, float]) -> bool:
+        """Count the evaluation at ``step``; whether it is the best (a new one, or the best evaluated
+        again at its own step after a failure took its checkpoint or its record). One that runs again at
+        the same step is not counted twice."""
+        if self.metric is None:
+            return False
+        if self.metric not in values:
+            raise ConfigError(
+                f"checkpoint.best_metric={self.metric!r} is not among the evaluation's metrics "
+                f"({', '.join(sorted(values))}): name one of them, or null for no best checkpoint"
+            )
+        value, best = values[self.metric], self.state
+        if best is not None and best.get("last") == step:
+            return bool(best["step"] == step)
+        if math.isnan(value):
+            better = False
+        elif best is None:
+            better = True
+        elif self.mode == "min":
+            better = value < best["value"]
+        else:
+            better = value > best["value"]
+        if better:
+            self.state = {"value": value, "step": step, "since": 0, "last": step}
+        elif best is not None:
+            self.state = {**best, "since": int(best.get("since", 0)) + 1, "last": step}
+        return better
+
+    def stop_due(self, step: int) -> bool:
+        """The evaluation at ``step`` is the ``patience``-th in a row without a new best."""
+        best = self.state
+        return (
+            self.patience is not None
+            and best is not None
+            and best.get("last") == step
+            and int(best.get("since", 0)) >= self.patience
+        )
+
+
 def _seed(seed: int, step: int, batch: int) -> int:
     return (seed * 1_000_003 + step * 7_919 + batch * 15_485_863 + 0x5EED) % (2**63 - 1)
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import math
 import os
 import signal
 import socket
@@ -39,7 +38,7 @@ from cluster.checkpoint import CheckpointStore, CheckpointWriter, CommitRecord, 
 from cluster.config import FaultSpec, JobConfig, parse_fault_env
 from cluster.data import LEGACY_ORDER, ORDERS, TORCH_ORDER, InputPipeline, ResumableDistributedSampler
 from cluster.errors import CheckpointError, ConfigError, WorkerError
-from cluster.evaluate import EvalResult, eval_due, evaluate
+from cluster.evaluate import BestEval, EvalResult, eval_due, evaluate
 from cluster.pace import Pace, StepPace
 from cluster.peer import PeerPlan, PeerState, Transfer, broadcast_state, state_digest
 from cluster.process import set_niceness, tune_process
@@ -283,7 +282,8 @@ class Worker:
         self._inputs: InputPipeline | None = None
         self._stop = _StopRequest()
         self._last_checkpoint = -1  # the newest checkpoint's step this process wrote or resumed from
-        self._best: dict[str, Any] | None = None  # TrainState.best_eval
+        c = cfg.checkpoint
+        self._best = BestEval(c.best_metric, c.best_mode, cfg.evaluation.patience)  # TrainState.best_eval
         self._last_eval: tuple[int, dict[str, float]] | None = None  # (step, loss and metrics)
         self._eval_batches = 0
         self._best_at: int | None = None  # the step of an evaluation that became the best: checkpoint it
@@ -540,7 +540,7 @@ class Worker:
                     scheduler.load_state_dict(ts.scheduler)
                 self.global_step, self.epoch, self.step_in_epoch = ts.global_step, ts.epoch, ts.step_in_epoch
                 self.sampler_order = ts.sampler_order
-                self._best = ts.best_eval
+                self._best.state = ts.best_eval
             del payload
         if group is not None and self.rank in takers:
             dist.destroy_process_group(group)
@@ -581,7 +581,7 @@ class Worker:
             optimizer=optimizer.state_dict(),
             scheduler=scheduler.state_dict() if scheduler is not None else None,
             sampler_order=self.sampler_order,
-            best_eval=self._best,
+            best_eval=self._best.state,
         )
 
     def release(self, rank: int, world_size: int, attempt: int) -> PeerState | None:
@@ -680,7 +680,7 @@ class Worker:
         step, skipped, nbytes = choice
         if step is None:
             self.sampler_order = TORCH_ORDER
-            self._best = None
+            self._best.state = None
             return ResumePoint(0, 0, 0, None), skipped
         if files is None:
             files = store.load_step(step)
@@ -697,7 +697,7 @@ class Worker:
             scheduler.load_state_dict(state.scheduler)
         self.global_step, self.epoch, self.step_in_epoch = state.global_step, state.epoch, state.step_in_epoch
         self.sampler_order = state.sampler_order
-        self._best = state.best_eval
+        self._best.state = state.best_eval
         self._last_checkpoint = state.global_step  # it exists: an evaluation here never writes it again
         return ResumePoint(
             state.global_step,
@@ -866,7 +866,7 @@ class Worker:
             metrics={k: float(v) / max(steps, 1) for k, v in metric_sums.items()},
             stopped=stopped,
             early_stopped=early,
-            best=dict(self._best) if early and self._best is not None else None,
+            best=dict(self._best.state) if early and self._best.state is not None else None,
         )
 
     def _seed_step(self, s: TrainSession, seed: int) -> None:
@@ -974,7 +974,7 @@ class Worker:
         alive()
         values = {"loss": res.loss, **res.metrics}
         self._last_eval = (self.global_step, values)
-        if self._is_best(values):
+        if self._best.update(self.global_step, values):
             self._best_at = self.global_step
         if self.rank == 0:
             spe = s.sampler.steps_per_epoch
@@ -998,45 +998,8 @@ class Worker:
             )
         return res
 
-    def _is_best(self, values: dict[str, float]) -> bool:
-        """Whether this evaluation beats every earlier one by ``checkpoint.best_metric`` (and becomes the
-        best); counts the evaluations since the best (early stopping). Every rank holds the same values and
-        the same best, so every rank decides alike. An evaluation that runs again at the same step (after a
-        failure took its checkpoint or its record) is not counted twice."""
-        metric = self.cfg.checkpoint.best_metric
-        if metric is None:
-            return False
-        if metric not in values:
-            raise ConfigError(
-                f"checkpoint.best_metric={metric!r} is not among the evaluation's metrics "
-                f"({', '.join(sorted(values))}): name one of them, or null for no best checkpoint"
-            )
-        value, best, step = values[metric], self._best, self.global_step
-        if best is not None and best.get("last") == step:
-            return bool(best["step"] == step)
-        if math.isnan(value):
-            better = False
-        elif best is None:
-            better = True
-        elif self.cfg.checkpoint.best_mode == "min":
-            better = value < best["value"]
-        else:
-            better = value > best["value"]
-        if better:
-            self._best = {"value": value, "step": step, "since": 0, "last": step}
-        elif best is not None:
-            self._best = {**best, "since": int(best.get("since", 0)) + 1, "last": step}
-        return better
-
     def _early_stop_due(self) -> bool:
-        """This step's evaluation is the ``evaluation.patience``-th in a row without a new best."""
-        patience, best = self.cfg.evaluation.patience, self._best
-        return (
-            patience is not None
-            and best is not None
-            and best.get("last") == self.global_step
-            and int(best.get("since", 0)) >= patience
-        )
+        return self._best.stop_due(self.global_step)
 
     def _best_due(self) -> bool:
         """A checkpoint of this step's new best evaluation, unless one of this step exists."""
@@ -1071,7 +1034,7 @@ class Worker:
             optimizer=s.optimizer.state_dict() if with_optimizer else {},
             scheduler=s.scheduler.state_dict() if s.scheduler is not None else None,
             sampler_order=self.sampler_order,
-            best_eval=self._best,
+            best_eval=self._best.state,
         )
 
     def _checkpoint(self, s: TrainSession) -> float:
@@ -1097,8 +1060,8 @@ class Worker:
                     "mode": self.cfg.checkpoint.best_mode,
                     "value": self._last_eval[1][metric],
                 }
-            if self._early_stop_due() and self._best is not None:
-                meta["early_stopped"] = {**self._best, "patience": self.cfg.evaluation.patience}
+            if self._early_stop_due() and self._best.state is not None:
+                meta["early_stopped"] = {**self._best.state, "patience": self.cfg.evaluation.patience}
         stall = s.writer.save(
             self.global_step,
             state.epoch,
@@ -1184,7 +1147,7 @@ class Worker:
         self.rank, self.world_size, self.attempt = rank, world_size, attempt
         self.global_step = self.epoch = self.step_in_epoch = 0
         self.sampler_order = TORCH_ORDER
-        self._best, self._best_at, self._last_eval = None, None, None
+        self._best.state, self._best_at, self._last_eval = None, None, None
         self._last_checkpoint = -1
         self._stop = _StopRequest()
         self._max_step_time = 0.0

@@ -195,3 +195,26 @@ def test_a_float_loss_is_fine_and_a_non_scalar_one_is_a_clear_error() -> None:
         ConfigError, match=r"a loss of shape \(4,\) for eval batch 0: return the batch's mean"
     ):
         evaluate(Vector(), nn.Linear(1, 1), ds, cfg, 0, 0, 1, torch.device("cpu"))
+
+
+def test_the_best_counts_each_evaluation_once_and_stops_after_patience() -> None:
+    from cluster.evaluate import BestEval
+
+    best = BestEval("acc", "max", patience=2)
+    assert best.update(2, {"loss": 1.0, "acc": 0.5}) is True  # the first is the best
+    assert best.update(4, {"loss": 0.9, "acc": 0.5}) is False  # a tie is not better
+    assert best.update(4, {"loss": 0.9, "acc": 0.5}) is False  # the same evaluation again: not counted twice
+    assert best.state == {"value": 0.5, "step": 2, "since": 1, "last": 4} and not best.stop_due(4)
+    assert best.update(6, {"loss": 0.8, "acc": float("nan")}) is False  # NaN never wins
+    assert best.stop_due(6) and not best.stop_due(8)  # due at the evaluation that reached patience only
+    assert best.update(8, {"loss": 0.7, "acc": 0.6}) is True and best.state["since"] == 0
+    assert best.update(8, {"loss": 0.7, "acc": 0.6}) is True  # the best evaluated again at its own step
+
+    lowest = BestEval("loss", "min", patience=None)
+    assert lowest.update(1, {"loss": 2.0}) and not lowest.update(2, {"loss": 2.5})
+    assert lowest.update(3, {"loss": 1.5}) and not lowest.stop_due(3)
+    assert BestEval(None, "min", None).update(1, {"loss": 1.0}) is False  # no best_metric: nothing kept
+    with pytest.raises(
+        ConfigError, match=r"best_metric='acc' is not among the evaluation's metrics \(loss\)"
+    ):
+        BestEval("acc", "max", None).update(1, {"loss": 1.0})
