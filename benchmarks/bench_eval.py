@@ -16,8 +16,13 @@ the barriers.
            then one ``all_reduce`` of (loss sum, count). ``DistributedSampler`` pads the set to a multiple of
            W by repeating samples, so its mean counts some samples twice (printed)
 
-Output: per repeat the seconds of each arm and product/bare; the median ratio and a 95% t-interval of the
-mean ratio.
+With ``--read-ms X`` each batch read also waits X ms (a storage read's latency, as a Parquet eval set on
+object storage has), and the arms are the product reading ahead (``read_ahead = True``, as
+``ParquetDataset`` says: the next batch is read in a background thread) against the product reading in turn;
+the figure is product/inturn.
+
+Output: per repeat the seconds of each arm and product/bare (or product/inturn); the median ratio and a 95%
+t-interval of the mean ratio.
 """
 
 from __future__ import annotations
@@ -47,6 +52,20 @@ def _task(eval_chars: int) -> Any:
     from jobs.tasks.charlm import CharLMTask
 
     return CharLMTask(context=64, d_model=64, n_layers=2, n_heads=4, max_chars=200_000, eval_chars=eval_chars)
+
+
+class _Slow:
+    """The eval set with a fixed wait per batch read (``--read-ms``), read ahead or in turn."""
+
+    def __init__(self, inner: Any, wait_s: float, ahead: bool) -> None:
+        self.inner, self.wait_s, self.read_ahead = inner, wait_s, ahead
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def get_batch(self, indices: torch.Tensor) -> Any:
+        time.sleep(self.wait_s)
+        return self.inner.get_batch(indices)
 
 
 def _bare(model: nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int, world: int) -> tuple[float, int]:
@@ -85,15 +104,18 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) ->
         x, y = ds.tensors
         cfg = load_config(None, [f"evaluation.batch_size={BATCH}", f"scaling.num_workers={world}"])
         out: list[dict[str, Any]] = []
+        other = "inturn" if args.read_ms else "bare"
+        wait = args.read_ms / 1000
         for rep in range(args.repeats + 1):  # the first round warms both arms up and is dropped
-            order = ["product", "bare"] if rep % 2 == 0 else ["bare", "product"]
+            order = ["product", other] if rep % 2 == 0 else [other, "product"]
             row: dict[str, Any] = {}
             for arm in order:
                 dist.barrier()
                 t0 = time.perf_counter()
-                if arm == "product":
-                    res = evaluate(task, model, ds, cfg, 0, rank, world, torch.device("cpu"))
-                    row["product_loss"], row["product_samples"] = res.loss, res.samples
+                if arm in ("product", "inturn"):
+                    data = _Slow(ds, wait, ahead=arm == "product") if wait else ds
+                    res = evaluate(task, model, data, cfg, 0, rank, world, torch.device("cpu"))
+                    row[f"{arm}_loss"], row[f"{arm}_samples"] = res.loss, res.samples
                 else:
                     row["bare_loss"], row["bare_samples"] = _bare(model, x, y, rank, world)
                 dist.barrier()
@@ -113,6 +135,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--eval-chars", type=int, default=131_072)
+    parser.add_argument("--read-ms", type=float, default=0.0, help="wait per batch read (storage latency)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     with socket.socket() as s:
@@ -130,19 +153,29 @@ def main() -> None:
         if isinstance(v, str):
             raise SystemExit(f"rank {r} failed:\n{v}")
     rows = got[0]
-    ratios = [r["product_s"] / r["bare_s"] for r in rows]
+    other = "inturn" if args.read_ms else "bare"
+    ratios = [r["product_s"] / r[f"{other}_s"] for r in rows]
     mean = statistics.fmean(ratios)
     half = _t95(len(ratios) - 1) * statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else 0.0
-    print(f"{'repeat':>6} {'product s':>10} {'bare s':>8} {'product/bare':>13}")
+    print(f"{'repeat':>6} {'product s':>10} {other + ' s':>9} {'product/' + other:>15}")
     for i, r in enumerate(rows):
-        print(f"{i + 1:>6} {r['product_s']:>10.3f} {r['bare_s']:>8.3f} {r['product_s'] / r['bare_s']:>13.3f}")
+        print(
+            f"{i + 1:>6} {r['product_s']:>10.3f} {r[other + '_s']:>9.3f} "
+            f"{r['product_s'] / r[other + '_s']:>15.3f}"
+        )
     first = rows[0]
-    print(
-        f"product/bare: median {statistics.median(ratios):.3f}, mean {mean:.3f} (95% {mean - half:.3f}-"
-        f"{mean + half:.3f}); samples evaluated: product {first['product_samples']}, bare "
-        f"{first['bare_samples']} (DistributedSampler's padding); loss product {first['product_loss']:.6f}, "
-        f"bare {first['bare_loss']:.6f}"
-    )
+    if args.read_ms:
+        print(
+            f"product/inturn: median {statistics.median(ratios):.3f}, mean {mean:.3f} (95% {mean - half:.3f}-"
+            f"{mean + half:.3f}); loss product {first['product_loss']!r}, inturn {first['inturn_loss']!r}"
+        )
+    else:
+        print(
+            f"product/bare: median {statistics.median(ratios):.3f}, mean {mean:.3f} (95% {mean - half:.3f}-"
+            f"{mean + half:.3f}); samples evaluated: product {first['product_samples']}, bare "
+            f"{first['bare_samples']} (DistributedSampler's padding); loss product "
+            f"{first['product_loss']:.6f}, bare {first['bare_loss']:.6f}"
+        )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(

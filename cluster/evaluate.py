@@ -8,6 +8,10 @@ with one ``all_gather_object``; every rank then sums them in batch order. So eve
 mean is over samples (not over ranks' means), and the result is bitwise the same at any world size and
 on every rank.
 
+A dataset that says ``read_ahead = True`` (``ParquetDataset`` does: its reads are storage and decoding,
+which release the GIL) has each rank's next batch read in a background thread while the current one
+runs; its ``get_batch`` must draw no random numbers and may run in that thread. Others are read in turn.
+
 Before it, rank 0's buffers (BatchNorm's running statistics, which each rank updates from its own shard)
 are broadcast into every rank's model, and each rank's own are put back after: every rank evaluates the
 model a checkpoint holds, and training goes on exactly as without the evaluation.
@@ -19,6 +23,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,13 +149,30 @@ def evaluate(
     sizes: list[tuple[int, int]] = []
     values: list[torch.Tensor] = []
     was_training = model.training
+    ours = range(rank, batches, world_size)
+
+    def read(b: int) -> Any:
+        return fetch_batch(dataset, torch.arange(b * size, min((b + 1) * size, n)))
+
+    ahead = (
+        ThreadPoolExecutor(1, thread_name_prefix="cluster-eval-read")
+        if getattr(dataset, "read_ahead", False) and len(ours) > 1
+        else None
+    )
     model.eval()
     try:
         with torch.no_grad():
-            for b in range(rank, batches, world_size):
-                idx = torch.arange(b * size, min((b + 1) * size, n))
-                torch.default_generator.manual_seed(_seed(cfg.training.seed, step, b))
-                batch = task.move_to_device(fetch_batch(dataset, idx), device)
+            pending = ahead.submit(read, ours[0]) if ahead is not None else None
+            for i, b in enumerate(ours):
+                if pending is None:
+                    torch.default_generator.manual_seed(_seed(cfg.training.seed, step, b))
+                    data = read(b)  # a read that draws random numbers draws them from this batch's seed
+                else:
+                    data = pending.result()
+                    if ahead is not None and i + 1 < len(ours):
+                        pending = ahead.submit(read, ours[i + 1])
+                    torch.default_generator.manual_seed(_seed(cfg.training.seed, step, b))
+                batch = task.move_to_device(data, device)
                 with autocast():
                     loss, extra = task.compute_eval(model, batch)
                 metrics = extra_metrics(extra, "compute_eval")
@@ -165,9 +187,11 @@ def evaluate(
                     torch.as_tensor(metrics[k], dtype=torch.float64, device=device) for k in names
                 ]
                 values.append(torch.stack([v.to(device) for v in row]))
-                sizes.append((b, len(idx)))
+                sizes.append((b, min((b + 1) * size, n) - b * size))
                 progress()
     finally:
+        if ahead is not None:
+            ahead.shutdown(wait=True, cancel_futures=True)
         model.train(was_training)
         _restore_buffers(model, own)
     host = torch.stack(values).cpu().tolist() if values else []  # one device read for the whole pass

@@ -98,6 +98,10 @@ class ParquetDataset(Dataset[tuple[torch.Tensor, ...]]):
     shuffled together (module docstring); ``cache_mb``: the memory reading may take (half of it caches
     row groups, the rest is headroom for decoding and gathering)."""
 
+    read_ahead = True
+    """An evaluation reads its next batch in a background thread (``cluster.evaluate``): ``get_batch``
+    draws no random numbers, and storage reads and Parquet decoding release the GIL."""
+
     def __init__(
         self,
         url: str,

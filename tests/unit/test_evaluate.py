@@ -218,3 +218,34 @@ def test_the_best_counts_each_evaluation_once_and_stops_after_patience() -> None
         ConfigError, match=r"best_metric='acc' is not among the evaluation's metrics \(loss\)"
     ):
         BestEval("acc", "max", None).update(1, {"loss": 1.0})
+
+
+class ReadAhead(TensorBatchDataset):
+    """Says its reads may run ahead in another thread; records where each ran."""
+
+    read_ahead = True
+
+    def __init__(self, *tensors: torch.Tensor, fail_at: int | None = None) -> None:
+        super().__init__(*tensors)
+        self.threads: list[str] = []
+        self.fail_at = fail_at
+
+    def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        import threading
+
+        self.threads.append(threading.current_thread().name)
+        if self.fail_at is not None and int(indices[0]) == self.fail_at:
+            raise OSError("storage read failed")
+        return super().get_batch(indices)
+
+
+def test_a_read_ahead_dataset_is_read_in_a_background_thread_with_the_same_result() -> None:
+    task, cfg = Mean(), load_config(None, ["evaluation.batch_size=3"])
+    plain = evaluate(task, nn.Linear(1, 1), task.build_eval_dataset(), cfg, 0, 0, 1, torch.device("cpu"))
+    ds = ReadAhead(torch.arange(10, dtype=torch.float64))
+    ahead = evaluate(task, nn.Linear(1, 1), ds, cfg, 0, 0, 1, torch.device("cpu"))
+    assert (ahead.loss, ahead.metrics, ahead.samples) == (plain.loss, plain.metrics, plain.samples)
+    assert len(ds.threads) == 4 and all(t.startswith("cluster-eval-read") for t in ds.threads)
+    broken = ReadAhead(torch.arange(10, dtype=torch.float64), fail_at=6)
+    with pytest.raises(OSError, match="storage read failed"):  # the reading thread's error, in this one
+        evaluate(task, nn.Linear(1, 1), broken, cfg, 0, 0, 1, torch.device("cpu"))
