@@ -20,7 +20,8 @@ class TabularTask(Task):
     """task_args: dataset (URL, required), features (list of column names, default f0..f15),
     label ("label"), num_classes (4), hidden (128), lr (1e-3), storage_options ({}); cache_mb (read
     lazily within this many MiB of decoded rows; default: read it all into memory) and window (row groups
-    shuffled together, 4)."""
+    shuffled together, 4); eval_dataset (URL of a held-out Parquet set with the same columns, evaluated at
+    ``evaluation.*``; read lazily, one batch ahead, when cache_mb is set)."""
 
     def __init__(self, **args: Any) -> None:
         super().__init__(**args)
@@ -43,18 +44,23 @@ class TabularTask(Task):
         )
 
     def build_train_dataset(self) -> TensorBatchDataset | FeaturesAndLabel:
+        return self._dataset(str(self.args["dataset"]))
+
+    def build_eval_dataset(self) -> TensorBatchDataset | FeaturesAndLabel | None:
+        url = self.args.get("eval_dataset")
+        return self._dataset(str(url)) if url else None
+
+    def _dataset(self, url: str) -> TensorBatchDataset | FeaturesAndLabel:
         if self.args.get("cache_mb") is not None:
             return FeaturesAndLabel(
-                str(self.args["dataset"]),
+                url,
                 self.features,
                 self.label,
                 self.args.get("storage_options") or {},
                 window=int(self.args.get("window", 4)),
                 cache_mb=float(self.args["cache_mb"]),
             )
-        cols = read_parquet(
-            str(self.args["dataset"]), [*self.features, self.label], self.args.get("storage_options") or {}
-        )
+        cols = read_parquet(url, [*self.features, self.label], self.args.get("storage_options") or {})
         x = torch.stack([torch.as_tensor(cols[f], dtype=torch.float32) for f in self.features], dim=1)
         y = torch.as_tensor(cols[self.label]).long()
         if int(y.min()) < 0 or int(y.max()) >= self.num_classes:

@@ -69,8 +69,10 @@ def test_tiny_job_on_s3_then_resume_from_s3(
 def test_tabular_task_reads_parquet_from_s3(
     ray_local: None, tmp_path: Any, moto_s3: MotoS3, lazy: bool
 ) -> None:
-    data = moto_s3.url("data/tabular")
+    data, held_out = moto_s3.url("data/tabular"), moto_s3.url("data/tabular-eval")
     write(data, rows=2000, files=2, storage_options=moto_s3.options, row_group_rows=125 if lazy else None)
+    # an eval set on S3 too (lazy: read one batch ahead of each forward, ParquetDataset.read_ahead)
+    write(held_out, rows=600, files=2, storage_options=moto_s3.options, row_group_rows=50 if lazy else None)
     # lazy: ParquetDataset, 16 row groups read from S3 on demand, shuffled in windows of 2
     extra = ["task_args.cache_mb=0.1", "task_args.window=2"] if lazy else []
     cfg = load_config(
@@ -78,6 +80,7 @@ def test_tabular_task_reads_parquet_from_s3(
         [
             f"storage={tmp_path}/runs",
             f"task_args.dataset={data}",
+            f"task_args.eval_dataset={held_out}",
             "epochs=2",
             "task_args.hidden=32",
             "task_args.lr=0.01",
@@ -100,6 +103,10 @@ def test_tabular_task_reads_parquet_from_s3(
         assert len(steps) == 7 and all(0.0 <= a <= 1.0 for a in steps)
         assert mean == pytest.approx(sum(steps) / len(steps), rel=1e-9)
     assert result.metrics["acc"] == mean and mean > 0.25  # above chance for 4 classes
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert [(r["global_step"], r["eval_samples"]) for r in evals] == [(7, 600), (14, 600)]  # every row once
+    assert evals[-1]["m_acc"] > 0.25 and result.evaluation is not None
+    assert result.evaluation["loss"] == evals[-1]["loss"]
 
 
 @pytest.mark.timeout(240)
