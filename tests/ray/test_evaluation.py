@@ -103,7 +103,8 @@ def test_an_evaluation_cut_short_by_a_killed_rank_runs_again_once_with_the_same_
 ) -> None:
     storage = f"{tmp_path}/runs"
     crash = "failures.inject=[{rank: 1, step: 10, kind: crash_in_eval}]"
-    result = train(config(storage, "cut", *EVAL, crash), out=io.StringIO())
+    # scored too: the survivors' best so far travels with their state, and they must agree on it
+    result = train(config(storage, "cut", *EVAL, crash, "checkpoint.best_metric=loss"), out=io.StringIO())
     assert result.status == "finished" and result.attempts == 2, result.failures
     assert result.failures[0]["kind"] == "worker_died"
     (recovered,) = events(result.run_url, "recovered")
@@ -111,6 +112,8 @@ def test_an_evaluation_cut_short_by_a_killed_rank_runs_again_once_with_the_same_
     # every evaluation once, bitwise what the run without the failure recorded
     assert evaluation_events(result.run_url) == evaluation_events(evaluated[0].run_url)
     assert_bitwise_equal(final_model(result.run_url), plain)
+    best = min(evaluation_events(result.run_url), key=lambda e: e[1])
+    assert load_checkpoint(result.run_url, step="best").step == best[0]
 
 
 def test_the_best_evaluation_s_checkpoint_outlives_keep_last_and_loads_as_best(
