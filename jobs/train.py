@@ -87,8 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.result_json:
         with open(args.result_json, "w") as fh:
             fh.write(result_to_json(result))
+    evaluated = (
+        f" eval_loss={result.evaluation['loss']} (step {result.evaluation['global_step']})"
+        if result.evaluation
+        else ""
+    )
     print(
-        f"result: status={result.status} steps={result.global_step} loss={result.metrics.get('loss')} "
+        f"result: status={result.status} steps={result.global_step} loss={result.metrics.get('loss')}"
+        f"{evaluated}{' stopped_early' if result.stopped_early else ''} "
         f"latest_checkpoint={result.latest_checkpoint}"
     )
     return 0
