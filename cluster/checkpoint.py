@@ -221,6 +221,17 @@ class CheckpointStore:
         return deleted
 
 
+def nonfinite(state: Any) -> str | None:
+    """The name of the first floating-point tensor of a state dict holding a NaN or an infinity; None when
+    every value is finite (or ``state`` is not a dict)."""
+    if not isinstance(state, dict):
+        return None
+    for name, t in state.items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return str(name)
+    return None
+
+
 def score_of(info: CheckpointInfo) -> tuple[str, str, float] | None:
     """(metric, mode, value) of the evaluation a checkpoint was scored by (``checkpoint.best_metric``); None
     when it was not (no evaluation at its step, or no best_metric)."""
@@ -330,10 +341,14 @@ class CheckpointWriter:
         async_save: bool = True,
         on_commit: Callable[[CommitRecord], None] | None = None,
         keep_best: bool = False,
+        refuse_nonfinite: bool = True,
     ) -> None:
         self.store = store
         self.keep_last = keep_last
         self.keep_best = keep_best
+        self.refuse_nonfinite = refuse_nonfinite
+        """Weights with a NaN or infinite value (a diverged run) are never committed, so retention never
+        deletes the good checkpoints for them. Checked on the host copy, in the writing thread."""
         self.async_save = async_save
         self.on_commit = on_commit
         self.records: list[CommitRecord] = []
@@ -363,6 +378,12 @@ class CheckpointWriter:
         t0 = time.perf_counter()
         record = CommitRecord(step=step, epoch=epoch, url="", bytes=0, stall_s=stall, write_s=0.0)
         try:
+            bad = nonfinite(host.get("model.pt")) if self.refuse_nonfinite else None
+            if bad is not None:
+                raise CheckpointError(
+                    f"the weights at step {step} are not finite (NaN or inf in {bad!r}): not committed, so "
+                    "the checkpoints before it are kept"
+                )
             blobs = {name: serialize(obj) for name, obj in host.items()}
             if self._abandon:
                 return

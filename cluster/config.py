@@ -155,6 +155,7 @@ class FaultSpec:
         "crash_after_step",
         "crash_in_eval",
         "slow",
+        "nan",
     ] = "crash"
     """``crash``: the process is SIGKILLed before the step; ``hang``: it stops making progress;
     ``raise``: user code raises RuntimeError; ``crash_in_checkpoint``: rank 0 is SIGKILLed while writing
@@ -162,7 +163,8 @@ class FaultSpec:
     in that step's backward pass, while the other ranks wait in its gradient all-reduce;
     ``crash_after_step``: SIGKILLed right after that step's optimizer update, before the next collective;
     ``crash_in_eval``: SIGKILLed in the evaluation after that step, after its first eval batch;
-    ``slow``: from that step on, the rank sleeps 50 ms at the start of each step (it holds the others up)."""
+    ``slow``: from that step on, the rank sleeps 50 ms at the start of each step (it holds the others up);
+    ``nan``: from that step on, the rank's loss is NaN (a diverged run)."""
     attempt: int = 0
     """Attempt (0 = first start, 1 = after the first recovery...) on which it fires; -1 = every attempt."""
 
@@ -202,6 +204,10 @@ class FailureConfig:
     preemption_margin_s: float = 10.0
     """Ranks must be off a draining node this long before its deadline; else checkpoint, then shrink or
     wait."""
+    stop_on_nan: bool = True
+    """Stop the run when training diverges: a NaN or infinite loss (read at log steps and epoch ends) ends it
+    with an error naming the step, without retries (an exact resume would diverge again); weights that are
+    not finite are never committed as a checkpoint, so the good ones are kept."""
     inject: list[FaultSpec] = field(default_factory=list)
     """Faults to inject (see FaultSpec). The env var CLUSTER_INJECT_FAULT=``rank:step:kind`` adds one."""
 

@@ -33,6 +33,11 @@ class CheckpointError(ClusterError):
     """A checkpoint is missing, torn or fails verification."""
 
 
+class DivergedError(ClusterError):
+    """Training diverged: the loss became NaN or infinite. Retrying cannot help (a resume is exact, so it
+    would diverge at the same step); the message names the step and what to change."""
+
+
 class WorkerError(ClusterError):
     """An exception raised by user or worker code on one rank, with its original traceback.
 

@@ -30,6 +30,8 @@ class FailurePolicy:
         """``history`` holds every failure so far, this one last; ``streak`` counts the failures since
         training last completed an epoch (default: all of them)."""
         count = len(history)
+        if failure.error is not None and failure.error.exc_type == "DivergedError":
+            return Decision(False, f"training diverged (rank {failure.error.rank}): {failure.error.message}")
         if failure.error is not None and failure.error.exc_type == "ConfigError":
             return Decision(
                 False,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import math
 import os
 import signal
 import socket
@@ -37,7 +38,7 @@ from cluster import dist as cdist
 from cluster.checkpoint import CheckpointStore, CheckpointWriter, CommitRecord, step_dir
 from cluster.config import FaultSpec, JobConfig, parse_fault_env
 from cluster.data import LEGACY_ORDER, ORDERS, TORCH_ORDER, InputPipeline, ResumableDistributedSampler
-from cluster.errors import CheckpointError, ConfigError, WorkerError
+from cluster.errors import CheckpointError, ConfigError, DivergedError, WorkerError
 from cluster.evaluate import BestEval, EvalResult, eval_due, evaluate
 from cluster.pace import Pace, StepPace
 from cluster.peer import PeerPlan, PeerState, Transfer, broadcast_state, state_digest
@@ -439,6 +440,7 @@ class Worker:
                 cfg.checkpoint.keep_last,
                 cfg.checkpoint.async_save,
                 keep_best=cfg.checkpoint.best_metric is not None,
+                refuse_nonfinite=cfg.failures.stop_on_nan,
             )
         elif self.rank != 0 and writer is not None:
             writer.close(flush=True)
@@ -799,7 +801,7 @@ class Worker:
             self._maybe_inject_fault()
             t0 = time.perf_counter()
             self._pace.begin()
-            if self.faults and any(f.kind == "slow" and f.step <= self.global_step + 1 for f in self.faults):
+            if self._fault_from("slow"):
                 time.sleep(SLOW_FAULT_S)
             self._seed_step(s, _step_seed(tcfg.seed, self.global_step, self.rank))
             self.task.current = StepInfo(
@@ -828,7 +830,9 @@ class Worker:
             if self._checkpoint_due_at_step(s) or (mid_epoch and (self._best_due() or early)):
                 stall = self._checkpoint(s)
             if self.rank == 0 and (self.global_step % tcfg.log_every_steps == 0 or stall):
-                self._rows.append(self._step_row(s, loss, metrics, dt, stall, now))
+                row = self._step_row(s, loss, metrics, dt, stall, now)
+                self._rows.append(row)
+                self._check_finite(row["loss"])
             if early:
                 break
         st = self._stop
@@ -852,6 +856,7 @@ class Worker:
             totals = totals.to(s.device)
         dist.all_reduce(totals)
         mean_loss = float(totals[0]) / max(float(totals[1]), 1.0)
+        self._check_finite(mean_loss, "the epoch's mean loss")  # the same on every rank: all stop
         return EpochResult(
             rank=self.rank,
             epoch=epoch,
@@ -867,6 +872,17 @@ class Worker:
             stopped=stopped,
             early_stopped=early,
             best=dict(self._best.state) if early and self._best.state is not None else None,
+        )
+
+    def _check_finite(self, loss: float, what: str = "the loss") -> None:
+        """Stop a diverged run (``failures.stop_on_nan``): a NaN or infinite loss fails it at once."""
+        if math.isfinite(loss) or not self.cfg.failures.stop_on_nan:
+            return
+        raise DivergedError(
+            f"{what} is {loss} at step {self.global_step}. Checkpoints of weights that are not finite are "
+            "never committed, so a resubmission resumes from the newest good one; an exact resume would "
+            "diverge here again, so first lower the learning rate, set training.grad_clip, or look at the "
+            "data of the steps before it (failures.stop_on_nan=false trains on regardless)"
         )
 
     def _seed_step(self, s: TrainSession, seed: int) -> None:
@@ -896,6 +912,8 @@ class Worker:
             with s.model.no_sync() if not sync else contextlib.nullcontext():
                 with self._autocast(s):  # the forward only: backward runs in the forward ops' dtypes anyway
                     loss, extra = self.task.compute_loss(s.model, batch)
+                if self._fault_from("nan"):
+                    loss = loss * float("nan")
                 # DDP averages over ranks: scaling by n*W/B makes that average the global-batch mean.
                 scale = len(chunk) * self.world_size / tcfg.global_batch_size
                 (loss * scale if scale != 1.0 else loss).backward()
@@ -1072,6 +1090,12 @@ class Worker:
         return stall
 
     # ----------------------------------------------------------------- faults, heartbeat, teardown
+    def _fault_from(self, kind: str) -> bool:
+        """Whether a fault of ``kind`` is on in the step running now (it starts at its step)."""
+        return bool(self.faults) and any(
+            f.kind == kind and f.step <= self.global_step + 1 for f in self.faults
+        )
+
     def _fault_now(self, kind: str) -> bool:
         """Whether a fault of ``kind`` is due in the step running now."""
         return any(f.kind == kind and f.step == self.global_step + 1 for f in self.faults)

@@ -423,3 +423,36 @@ def test_eight_ranks_one_killed_the_other_seven_keep_their_processes(
     want = CheckpointStore(Storage(ref.run_url)).load_latest()
     assert latest is not None and want is not None and latest.info.step == want.info.step == 12
     assert_bitwise_equal(latest.files["model.pt"], want.files["model.pt"])
+
+
+def test_a_diverged_run_stops_at_once_naming_the_step_and_keeps_its_good_checkpoints(
+    tmp_path: object, ray_local: None
+) -> None:
+    """Rank 1's loss becomes NaN at step 12: the all-reduced gradient spreads it to every rank's weights,
+    rank 0's logged loss is NaN at step 13, and the run stops there, not retried. Checkpoints every step:
+    those of the NaN weights (12, 13) are refused, so keep_last never deletes the good ones for them."""
+    storage = f"{tmp_path}/runs"
+    cfg = load_config(
+        "jobs/configs/tiny_cpu.yaml",
+        overrides(
+            storage,
+            "nan",
+            "checkpoint.every_steps=1",
+            "checkpoint.keep_last=2",
+            "failures.inject=[{rank: 1, step: 12, kind: nan}]",
+        ),
+    )
+    with pytest.raises(TrainingFailedError) as err:
+        train(cfg, out=io.StringIO())
+    text = str(err.value)
+    assert "training diverged (rank 0): the loss is nan at step 13" in text, text[:2000]
+    assert "lower the learning rate, set training.grad_clip" in text
+    run_url = f"{storage}/nan"
+    assert len(events(run_url, "group_started")) == 1  # not retried: it would diverge again
+    infos = CheckpointStore(Storage(run_url)).list()
+    assert [i.step for i in infos] == [10, 11]
+    latest = CheckpointStore(Storage(run_url)).load_latest()
+    assert latest is not None and latest.info.step == 11
+    assert all(
+        bool(torch.isfinite(t).all()) for t in latest.files["model.pt"].values() if t.is_floating_point()
+    )

@@ -165,3 +165,20 @@ def test_load_best_and_its_errors(tmp_path: object) -> None:
     Storage(f"{tmp_path}/run").write_bytes(f"{step_dir(10)}/model.pt", b"torn")
     with pytest.raises(CheckpointError, match="fails its checksum"):
         load_checkpoint(f"{tmp_path}/run", step="best")  # asked for by name: never silently another one
+
+
+def test_weights_that_are_not_finite_are_never_committed_and_the_good_ones_are_kept(
+    store: CheckpointStore,
+) -> None:
+    writer = CheckpointWriter(store, keep_last=1, async_save=False)
+    writer.save(5, 0, {}, {"model.pt": {"w": torch.ones(3)}})
+    for step, bad in [(10, float("nan")), (15, float("inf"))]:
+        writer.save(step, 0, {}, {"model.pt": {"w": torch.tensor([1.0, bad, 2.0]), "n": torch.tensor(3)}})
+    records = writer.drain()
+    assert len(records) == 3 and records[0].error is None
+    assert all("are not finite (NaN or inf in 'w'): not committed" in (r.error or "") for r in records[1:])
+    assert [i.step for i in store.list()] == [5]  # keep_last=1 did not delete the good one for them
+    assert store.steps_on_storage() == [5]  # nothing of the refused ones was written
+    lenient = CheckpointWriter(store, keep_last=1, async_save=False, refuse_nonfinite=False)
+    lenient.save(20, 0, {}, {"model.pt": {"w": torch.tensor([float("nan")])}})  # failures.stop_on_nan=false
+    assert lenient.drain()[0].error is None and [i.step for i in store.list()] == [20]
