@@ -133,6 +133,9 @@ class EvaluationConfig:
     max_batches: int | None = None
     """Evaluate only the first this many batches of the eval set (a quick look at a large one); ``null``:
     all of it."""
+    at_start: bool = False
+    """Also evaluate the initial model, before a new run's first step: a baseline (with
+    ``checkpoint.best_metric`` it is the first best, checkpointed at step 0)."""
     patience: int | None = None
     """Early stopping: end the run when ``checkpoint.best_metric`` has not improved for this many
     evaluations in a row (checkpointed there; the best checkpoint is kept). ``null``: never."""

@@ -59,8 +59,10 @@ def eval_batch_size(cfg: JobConfig) -> int:
 
 def eval_due(step: int, steps_per_epoch: int, epochs: int, e: EvaluationConfig) -> bool:
     """Whether an evaluation belongs after global step ``step`` (the end of each ``every_steps``-th step,
-    of each ``every_epochs``-th epoch, and of the last epoch)."""
-    if step <= 0 or steps_per_epoch <= 0:
+    of each ``every_epochs``-th epoch, and of the last epoch; step 0, before any, with ``at_start``)."""
+    if step == 0:
+        return e.at_start
+    if step < 0 or steps_per_epoch <= 0:
         return False
     if e.every_steps and step % e.every_steps == 0:
         return True

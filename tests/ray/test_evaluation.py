@@ -227,3 +227,20 @@ def test_early_stopping_ends_the_run_keeps_the_best_and_a_resubmission_without_i
     assert not on.stopped_early and on.global_step == EPOCHS * STEPS
     assert [e[0] for e in evaluation_events(result.run_url)] == [10, 15, 20, 30]  # 20 not evaluated twice
     assert_bitwise_equal(final_model(result.run_url), plain)
+
+
+def test_a_baseline_evaluation_before_the_first_step_is_checkpointed_and_changes_no_weight(
+    plain: dict[str, torch.Tensor], tmp_path: object
+) -> None:
+    storage = f"{tmp_path}/runs"
+    extra = ["evaluation.at_start=true", "checkpoint.best_metric=loss", "checkpoint.keep_last=10"]
+    result = train(config(storage, "baseline", *EVAL, *extra), out=io.StringIO())
+    assert result.status == "finished"
+    recorded = evaluation_events(result.run_url)
+    assert [e[0] for e in recorded] == [0, *EVAL_STEPS]
+    assert recorded[0][1] > recorded[1][1]  # the untrained model is worse
+    # the baseline was the first best: checkpointed at step 0, where it evaluates the same again
+    assert 0 in [i.step for i in CheckpointStore(Storage(result.run_url)).list()]
+    torch.set_num_threads(1)
+    assert evaluate_checkpoint(result.run_url, step=0).loss == recorded[0][1]
+    assert_bitwise_equal(final_model(result.run_url), plain)

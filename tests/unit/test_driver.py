@@ -586,6 +586,13 @@ def test_an_evaluation_the_failure_took_is_asked_for_again_and_one_that_arrived_
     assert "eval at step 4 (epoch 1): loss 0.7000, acc 0.9 (50 samples, 0.5s)" in driver.out.getvalue()
 
 
+def test_a_baseline_evaluation_is_asked_for_before_a_new_run_s_first_step_only() -> None:
+    driver, _ = make({}, ["evaluation.at_start=true"])
+    driver.run()
+    (first,) = ScriptedGroup.instances
+    assert first.evaluate_first == [0] and first.calls[0] == "epoch0@0"
+
+
 def test_an_evaluation_recorded_by_an_earlier_submission_is_not_asked_for_again(tmp_path: Any) -> None:
     """A resubmission resuming at an eval point reads the run's events: the eval there was recorded."""
     url = f"{tmp_path}/runs"

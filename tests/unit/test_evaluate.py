@@ -55,6 +55,12 @@ def test_when_an_evaluation_is_due(step: int, every_epochs: int, every_steps: in
     assert eval_due(step, steps_per_epoch=4, epochs=3, e=e) is due
 
 
+def test_a_baseline_before_the_first_step_only_when_asked() -> None:
+    assert not eval_due(0, 4, 3, EvaluationConfig())
+    assert eval_due(0, 4, 3, EvaluationConfig(at_start=True))
+    assert not eval_due(1, 4, 3, EvaluationConfig(at_start=True))
+
+
 def test_the_default_batch_is_the_training_micro_batch_at_the_configured_size() -> None:
     cfg = load_config(None, ["training.global_batch_size=64", "scaling.num_workers=4"])
     assert eval_batch_size(cfg) == 16
