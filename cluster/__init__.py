@@ -34,6 +34,7 @@ from cluster.parquet import ParquetDataset
 from cluster.task import Task
 
 if TYPE_CHECKING:
+    from cluster.control import request_stop
     from cluster.driver import Driver, FailurePolicy, Result, train
     from cluster.load import Checkpoint, evaluate_checkpoint, load_checkpoint, load_model
 
@@ -48,6 +49,7 @@ _LAZY = {
     "load_checkpoint": "cluster.load",
     "load_model": "cluster.load",
     "evaluate_checkpoint": "cluster.load",
+    "request_stop": "cluster.control",
 }
 
 
@@ -88,5 +90,6 @@ __all__ = [
     "load_config",
     "load_model",
     "read_parquet",
+    "request_stop",
     "train",
 ]

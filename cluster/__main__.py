@@ -5,13 +5,14 @@
     python -m cluster show s3://bucket/runs gpt-gpu --verify   # also checksum every checkpoint
     python -m cluster plot ./runs/tiny-cpu --out tiny.png  # loss and samples/s vs global step
     python -m cluster eval ./runs/tiny-cpu --step best     # a checkpoint on the run's eval set, here
+    python -m cluster stop ./runs/tiny-cpu --wait 300      # a running job stops with a checkpoint
     python -m cluster docs-config --write docs/config.md   # regenerate the config reference
 
 Storage credentials come from the usual environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS) or from
 ``-o key=value`` fsspec storage options (``-o endpoint_url=http://127.0.0.1:9000``).
 
-Exit status: 0 on success, 2 for a URL without runs, an unknown run name, a bad argument or a checkpoint
-that cannot be loaded, 1 when storage cannot be read.
+Exit status: 0 on success, 2 for a URL without runs, an unknown run name, a bad argument, a checkpoint
+that cannot be loaded or a run with no job to stop, 1 when storage cannot be read or a stop waited out.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from dataclasses import asdict
 from typing import Any
 
@@ -99,6 +101,21 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: cpu)")
     ev.add_argument("--json", action="store_true", help="print JSON instead of text")
 
+    st = add(
+        "stop",
+        "ask the job training a run to stop at its next step with a checkpoint there (resubmit to resume)",
+    )
+    st.add_argument("url", help="URL/NAME of a run, or the storage URL when NAME is given")
+    st.add_argument("name", nargs="?", help="run name under URL")
+    st.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait this long for the job to stop and say where (default: ask and return)",
+    )
+    st.add_argument("--reason", default=None, help="recorded in the run's stopped event (default: user@host)")
+
     dc = sub.add_parser("docs-config", help="print the configuration reference (docs/config.md, generated)")
     dc.add_argument("--write", metavar="FILE", help="replace the reference block in this file instead")
     return p
@@ -137,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.out} ({width}x{height})")
         elif args.command == "eval":
             return _eval(args, options)
+        elif args.command == "stop":
+            return _stop(args, options)
     except StorageError as exc:
         return _error(f"storage error: {exc}", 1)
     except CheckpointError as exc:
@@ -173,6 +192,39 @@ def _eval(args: argparse.Namespace, options: dict[str, Any]) -> int:
             f"step {res.step}: loss {res.loss:.4f}{shown} ({res.samples} samples, {res.batches} batches, "
             f"{res.seconds:.1f}s)"
         )
+    return 0
+
+
+def _stop(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    from cluster.control import write_stop_request
+
+    storage = inspect.open_run(args.url, args.name, options)
+    status = inspect.run_status(inspect.read_events(storage))
+    if status != inspect.UNFINISHED:
+        return _error(f"error: {storage.root} is {status}: no job is training it, nothing to stop", 2)
+    req = write_stop_request(storage, args.reason)
+    print(f"asked {storage.root} to stop ({req.reason}); its driver looks every few seconds")
+    deadline = time.time() + args.wait
+    while args.wait > 0:
+        tail = [e for e in inspect.read_events(storage) if float(e.get("time", 0)) >= req.requested_at - 1]
+        done = next((e for e in tail if e.get("event") in ("stopped", "finished", "run_failed")), None)
+        if done is not None:
+            if done["event"] == "stopped":
+                print(
+                    f"stopped at step {done.get('global_step')}; checkpoint at step "
+                    f"{done.get('checkpoint_step')}"
+                    + ("" if done.get("committed") else f" ({done.get('note')})")
+                )
+            else:
+                print(f"the run ended first: {done['event']} at step {done.get('global_step')}")
+            return 0
+        if time.time() >= deadline:
+            return _error(
+                f"not stopped within {args.wait:g}s: is a job training it? The request stays: a running job "
+                "acts on it, a later submission removes it unread",
+                1,
+            )
+        time.sleep(1.0)
     return 0
 
 

@@ -6,6 +6,7 @@ the state changes::
 
     Starting --> Running --(epoch done)--> Running | Resizing --> Starting | Finishing --> Finished
         |           |
+        |           +--(a stop asked for: a checkpoint at the next step)--> Stopped
         +-----------+--(failure)--> Recovering --> Starting | Failed
 
 Whether a run is already complete is decided once, before any worker starts (``_initial_state``).
@@ -18,14 +19,18 @@ heartbeat is a call into every worker while it trains.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
 import logging
 import os
 import platform
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
@@ -34,6 +39,7 @@ import torch
 from cluster import local_ray
 from cluster.checkpoint import CheckpointInfo, CheckpointStore, CommitRecord, step_dir
 from cluster.config import JobConfig
+from cluster.control import STOP_POLL_S, StopRequest, clear_stop_request, read_stop_request
 from cluster.errors import (
     CheckpointError,
     ConfigError,
@@ -59,6 +65,7 @@ from cluster.states import (
     Running,
     Starting,
     State,
+    Stopped,
 )
 from cluster.storage import PROBE_ENV, Storage, join, normalize_url, write_probe
 from cluster.tracking import MlflowSink, Sink, TensorBoardSink, Tracker
@@ -78,6 +85,7 @@ __all__ = [
     "Running",
     "Starting",
     "State",
+    "Stopped",
     "check_cluster",
     "ensure_ray",
     "result_to_json",
@@ -111,6 +119,9 @@ class Result:
     metrics); None when the task has no eval set or none ran."""
     stopped_early: bool = False
     """Early stopping (``evaluation.patience``) ended the run before its last epoch."""
+    stop_reason: str | None = None
+    """With status ``stopped``: who asked (``SIGINT``, ``SIGTERM``, ``python -m cluster stop by ...``). The
+    ranks stopped at ``global_step`` with a checkpoint there; resubmitting the same job resumes from it."""
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -161,8 +172,22 @@ class Driver:
         self._evaluated: set[int] = set()  # global steps whose evaluation was recorded (any submission)
         self.last_eval: dict[str, Any] | None = None
         self.stopped_early = False
+        self._stop_request: StopRequest | None = None  # set by request_stop (a signal) or the stop file
+        self._stop_step: int | None = None  # the step the group was asked to stop at, for it
+        self._next_stop_check = 0.0
+        self._started_at = time.time()
+        # The stop file is read without retries: an outage must never stall the loop that watches the ranks.
+        self._control = Storage(self.run_url, cfg.storage.options, retries=0, retry_budget_s=0.0)
+        self._control_error_logged = False
 
     # ------------------------------------------------------------------ public
+    def request_stop(self, reason: str) -> None:
+        """Stop at the next step boundary, every rank at the same one, with a checkpoint there; the run ends
+        with status ``stopped`` and a resubmission resumes from that checkpoint exactly. Only sets a field:
+        safe to call from a signal handler (the loop acts on it at its next heartbeat) or another thread."""
+        if self._stop_request is None:
+            self._stop_request = StopRequest(reason, time.time())
+
     def run(self) -> Result:
         self._prepare_storage()
         self.events.append("run_start", attempt=self.attempt, config=self.cfg.to_dict())
@@ -172,7 +197,7 @@ class Driver:
                 self._transition(self._step(self.state))
         finally:
             if self.group is not None:
-                self.group.shutdown(graceful=isinstance(self.state, Finished))
+                self.group.shutdown(graceful=isinstance(self.state, Finished | Stopped))
                 self.group = None
             self._close_tracking()
         result = self._result()
@@ -207,6 +232,14 @@ class Driver:
             previous = json.loads(self.storage.read_bytes("run.json"))
         except FileNotFoundError:
             previous = None
+        stale = read_stop_request(self.storage)
+        if stale is not None and stale.requested_at < self._started_at:
+            logger.warning(
+                "removing a stop request from before this job started (%s, %s): no job was running then",
+                stale.reason,
+                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stale.requested_at)),
+            )
+            clear_stop_request(self.storage)
         if previous is not None:
             _check_compatible(previous.get("config", {}), self.cfg)
             self._evaluated = {
@@ -422,6 +455,7 @@ class Driver:
         watch = HangWatch(self.cfg.failures, self.global_step)
         while True:
             try:
+                self._watch_stop()  # here, not only between heartbeats: epochs may be shorter than those
                 results = group.poll(self._heartbeat_every(watch) if self._move is None else 0.25)
                 if results is None:
                     self._watch_preemption(s, running=True)
@@ -437,6 +471,8 @@ class Driver:
             if results is not None:
                 if results[0].early_stopped:
                     return self._stopped_early(s, results[0], time.time() - t_epoch)
+                if self._stop_step is not None:
+                    return self._stopped(s, results, time.time() - t_epoch)
                 if self._move is not None and self._move.stopping:
                     return Moving(self._move, results, s.start_step, time.time() - t_epoch, s.recovery)
                 if self._grow_at is not None:
@@ -469,7 +505,7 @@ class Driver:
         checkpointed there. Record what was trained and finish."""
         if self._move is not None and self.group is not None:
             self.group.cancel_move()  # the run ends here: nothing left to move
-        self._move, self._grow_at = None, None
+        self._move, self._grow_at, self._stop_step = None, None, None
         if self.steps_per_epoch and head.global_step % self.steps_per_epoch == 0:
             self._record_epoch(head, wall_s, s.recovery)  # the evaluation ended a whole epoch
         else:
@@ -596,8 +632,8 @@ class Driver:
         epoch runs (``running``), push a move in progress on: stop once its replacements are ready, or with
         a checkpoint when time runs out (a stop needs a running epoch: it is agreed by the ranks in it)."""
         f = self.cfg.failures
-        if not f.preemption or self.group is None:
-            return
+        if not f.preemption or self.group is None or self._stop_request is not None:
+            return  # (a stop asked for checkpoints every rank's state anyway)
         now = time.time()
         m = self._move
         if m is None:
@@ -773,6 +809,8 @@ class Driver:
         missing = self.cfg.scaling.num_workers - self.world_size
         if missing <= 0 or self._move is not None or self._grow_at is not None or self.group is None:
             return
+        if self._stop_request is not None:  # the run is stopping: a resubmission starts at full size
+            return
         now = time.time()
         if now < self._next_grow_check:
             return
@@ -794,6 +832,94 @@ class Driver:
             self._record_partial(head, s.recovery)
             self.global_step = head.global_step
         return Resizing(new_size=self.cfg.scaling.num_workers)
+
+    # ------------------------------------------------------------------ stopping on request
+    def _watch_stop(self) -> None:
+        """While an epoch runs: read the stop file (at most every ``STOP_POLL_S``), and act on a stop asked
+        for: every rank stops at the same step boundary with a checkpoint there (``WorkerGroup.stop``). A
+        grow already stopping the group with a checkpoint serves as the stop; a move that is stopping it is
+        let finish (the stop is acted on once the moved group trains), one still preparing is dropped."""
+        assert self.group is not None
+        now = time.time()
+        if self._stop_request is None and now >= self._next_stop_check:
+            self._next_stop_check = now + STOP_POLL_S
+            try:
+                req = read_stop_request(self._control)
+            except StorageError as exc:  # storage down: the next poll tries again; training goes on
+                if not self._control_error_logged:
+                    logger.warning("could not read the stop request file: %s", exc)
+                    self._control_error_logged = True
+                req = None
+            if req is not None:
+                self.request_stop(req.reason)
+        req = self._stop_request
+        if req is None or self._stop_step is not None:
+            return
+        if self._move is not None:
+            if self._move.stopping:
+                return
+            self.group.cancel_move()
+            self._drained -= self._move.nodes
+            self._move = None
+        if self._grow_at is not None:
+            self._stop_step, self._grow_at = self._grow_at, None
+        else:
+            self._stop_step = self.group.stop(checkpoint=True)
+        self.events.append("stop_requested", reason=req.reason, stop_step=self._stop_step)
+        self._print(
+            f"[{self.cfg.name}] stopping ({req.reason}): every rank stops after step {self._stop_step} "
+            f"with a checkpoint there{_grace_note(req.reason)}. Once more to stop at once (no checkpoint)"
+        )
+
+    def _stopped(self, s: Running, results: list[EpochResult], wall_s: float) -> State:
+        """The group stopped as asked (or its epoch ended first, with the checkpoint the stop asked for):
+        record what it trained, flush the checkpoint, record the stop."""
+        assert self.group is not None and self._stop_request is not None
+        self._stop_step = None
+        head = results[0]
+        if head.stopped:
+            self._record_partial(head, s.recovery)
+            self.global_step = head.global_step
+        else:  # the epoch ended before the stop step; the stop's checkpoint was taken at its end
+            next_state = self._after_epoch(head)
+            self._record_epoch(head, wall_s, s.recovery)
+            if isinstance(next_state, Finishing):
+                return next_state  # that was the last epoch: the run is done, not stopped
+        commits = self.group.finish()  # the stop's checkpoint is committed before the workers go
+        for c in commits:
+            self._commit_event(c)
+        committed = any(c.step == head.global_step and not c.error for c in [*head.commits, *commits])
+        return self._end_stopped(committed)
+
+    def _end_stopped(self, committed: bool, note: str | None = None) -> Stopped:
+        req = self._stop_request
+        assert req is not None
+        infos = CheckpointStore(self.storage).list()
+        latest = infos[-1].step if infos else None
+        self.events.append(
+            "stopped",
+            reason=req.reason,
+            global_step=self.global_step,
+            checkpoint_step=latest,
+            committed=committed,
+            seconds=round(time.time() - req.requested_at, 3),
+            note=note,
+        )
+        where = (
+            f"its checkpoint at step {latest} is committed"
+            if committed
+            else f"no checkpoint at the stop ({note or 'it failed to commit'}); the newest is at step "
+            f"{latest}"
+        )
+        self._print(
+            f"[{self.cfg.name}] stopped at step {self.global_step} ({req.reason}) in "
+            f"{time.time() - req.requested_at:.1f}s: {where}. Resubmit the same job to resume"
+        )
+        try:
+            clear_stop_request(self.storage)
+        except StorageError as exc:  # the next submission removes it as stale
+            logger.warning("could not remove the stop request file: %s", exc)
+        return Stopped()
 
     def _record_partial(self, head: EpochResult, recovery: RecoveryTiming | None = None) -> None:
         """A stopped epoch's step rows (its end is recorded by the epoch that finishes it), and the
@@ -825,6 +951,13 @@ class Driver:
 
     def _recover(self, s: Recovering) -> State:
         failure, timing = s.failure, s.recovery
+        if self._stop_request is not None:  # asked to stop: no restart, whatever the failure
+            self._stop_step = None
+            if self.group is not None:
+                self.group.shutdown(graceful=False)
+                self.group = None
+            self._flush_rows([])  # the step rows the heartbeats brought: nothing recorded is lost
+            return self._end_stopped(False, f"a failure during the stop: {failure.kind}, rank {failure.rank}")
         decision = self.policy.decide(failure, self.failures, self._streak)
         salvage: Salvage | None = None
         if self.group is not None:
@@ -1073,6 +1206,9 @@ class Driver:
             slow_ranks=list(self._slow_reports),
             evaluation=self.last_eval,
             stopped_early=self.stopped_early,
+            stop_reason=self._stop_request.reason
+            if isinstance(self.state, Stopped) and self._stop_request is not None
+            else None,
         )
 
 
@@ -1081,6 +1217,18 @@ GROW_POLL_S = 2.0
 DRAIN_POLL_S = 1.0
 """At most one read of Ray's draining nodes (one GCS query) per this many seconds; reads happen at
 heartbeats and epoch ends."""
+
+
+def _grace_note(reason: str) -> str:
+    """Under ``ray job submit``, ``ray job stop`` SIGKILLs the driver RAY_JOB_STOP_WAIT_TIME_S (3 by default)
+    after its SIGTERM: say how long the stop has, and how to give it more."""
+    if reason != "SIGTERM" or "RAY_JOB_CONFIG_JSON_ENV_VAR" not in os.environ:
+        return ""
+    wait = os.environ.get("RAY_JOB_STOP_WAIT_TIME_S", "3")
+    return (
+        f" (`ray job stop` kills this driver {wait}s after its SIGTERM; a longer RAY_JOB_STOP_WAIT_TIME_S in "
+        "the job's runtime_env env_vars gives the checkpoint time to commit)"
+    )
 
 
 def _slow_cause(r: SlowRank) -> str:
@@ -1200,10 +1348,38 @@ def train(cfg: JobConfig, out: TextIO | None = None) -> Result:
     started = ensure_ray(cfg)
     try:
         check_cluster(cfg)
-        return Driver(cfg, out=out).run()
+        driver = Driver(cfg, out=out)
+        with stop_on_signals(driver):
+            return driver.run()
     finally:
         if started:
             local_ray.shutdown()
+
+
+@contextlib.contextmanager
+def stop_on_signals(driver: Driver) -> Iterator[None]:
+    """While ``driver`` runs in the main thread: the first SIGINT (Ctrl-C) or SIGTERM (``ray job stop``)
+    stops it cleanly (``Driver.request_stop``: a checkpoint at the next step, status ``stopped``); a second
+    raises KeyboardInterrupt, which kills the workers at once. The previous handlers come back after.
+    Installed after ``ray.init``, whose own SIGTERM handler would end the process without the checkpoint."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    names: dict[int, str] = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM"}
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def handler(signum: int, frame: object) -> None:
+        if driver._stop_request is not None:
+            raise KeyboardInterrupt(f"{names.get(signum, signum)} again while stopping")
+        driver.request_stop(names.get(signum, str(signum)))  # only sets a field: the loop prints and acts
+
+    for sig in previous:
+        signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def result_to_json(result: Result) -> str:

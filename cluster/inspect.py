@@ -18,6 +18,8 @@ from cluster.metrics import read_event_log, read_metrics
 from cluster.storage import Storage, join, normalize_url
 
 FINISHED, FAILED, UNFINISHED = "finished", "failed", "running/interrupted"
+STOPPED = "stopped"
+"""Stopped on request (Ctrl-C, ``ray job stop``, ``python -m cluster stop``) with a checkpoint: resumable."""
 
 
 class InspectError(ClusterError):
@@ -189,8 +191,8 @@ def read_run_json(storage: Storage) -> dict[str, Any]:
 
 
 def run_status(events: list[dict[str, Any]]) -> str:
-    """finished / failed from the terminal event after the last ``run_start``; otherwise the run is still
-    going or its driver died (storage cannot tell those apart)."""
+    """finished / failed / stopped from the terminal event after the last ``run_start``; otherwise the run is
+    still going or its driver died (storage cannot tell those apart)."""
     starts = [i for i, e in enumerate(events) if e.get("event") == "run_start"]
     tail = events[starts[-1] :] if starts else events
     for e in reversed(tail):
@@ -199,6 +201,8 @@ def run_status(events: list[dict[str, Any]]) -> str:
             return FINISHED
         if kind in ("run_failed", "failed"):
             return FAILED
+        if kind == "stopped":
+            return STOPPED
     return UNFINISHED
 
 
@@ -466,7 +470,15 @@ def report(storage: Storage, verify_all: bool = False) -> RunReport:
             for k in sorted(set(first) | set(last))
             if first.get(k) != last.get(k)
         ]
-    notable = ("resize", "checkpoint_skipped", "checkpoint_failed", "run_failed", "failed", "early_stopped")
+    notable = (
+        "resize",
+        "checkpoint_skipped",
+        "checkpoint_failed",
+        "run_failed",
+        "failed",
+        "early_stopped",
+        "stopped",
+    )
     table = read_metrics(storage)
     metric_rows = table.to_pylist()
     epochs = [r for r in metric_rows if r["kind"] == "epoch"]

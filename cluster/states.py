@@ -4,7 +4,8 @@ caused it); :meth:`cluster.driver.Driver._step` takes one and returns the next::
     Starting --> Running --(epoch done)--> Running | Resizing --> Starting | Finishing --> Finished
         |           |  |
         |           |  +--(drain notice, stopped at a step)--> Moving --> Starting | Running
-        +-----------+--(failure)--> Recovering --> Starting | Failed
+        |           +--(stop asked for: Ctrl-C, ray job stop, python -m cluster stop)--> Stopped
+        +-----------+--(failure)--> Recovering --> Starting | Failed | Stopped (a stop was asked for)
 """
 
 from __future__ import annotations
@@ -193,6 +194,14 @@ class Finishing(State):
 @dataclass(frozen=True)
 class Finished(State):
     name: ClassVar[str] = "finished"
+    is_terminal: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class Stopped(State):
+    """Stopped before the end because someone asked (``Driver.request_stop``); resubmitting resumes."""
+
+    name: ClassVar[str] = "stopped"
     is_terminal: ClassVar[bool] = True
 
 

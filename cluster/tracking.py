@@ -436,7 +436,9 @@ class MlflowSink:
                     fh.write(self.storage.read_bytes(f"{checkpoint}/model.pt"))
                 self.client.log_artifact(self.run_id, path, "checkpoint")
             self.client.set_tag(self.run_id, "checkpoint", f"{self.storage.root}/{checkpoint}")
-        self.client.set_terminated(self.run_id, "FINISHED" if status == "finished" else "FAILED")
+        # MLflow's KILLED: ended by the user, not failed (a stop asked for; resumable)
+        terminal = {"finished": "FINISHED", "stopped": "KILLED"}.get(status, "FAILED")
+        self.client.set_terminated(self.run_id, terminal)
 
     def close(self) -> None:
         pass

@@ -16,7 +16,11 @@ On a Ray cluster (the job's driver runs on the head; --working-dir ships this fo
         python -m jobs.train --config jobs/configs/gpt_gpu.yaml --set storage=s3://bucket/runs
 
 Exit status: 0 when training finished (or was already finished), 1 on a failed run, 2 on a bad config,
-130 when stopped (`ray job stop` or Ctrl-C: the workers are killed, committed checkpoints stay).
+130 when stopped before the end. The first Ctrl-C, `ray job stop` (SIGTERM) or `python -m cluster stop RUN`
+stops every rank at the next step with a checkpoint there: resubmitting resumes from it exactly. A second
+signal kills the workers at once (committed checkpoints stay). `ray job stop` kills this driver 3 s after its
+SIGTERM unless the job's runtime_env sets RAY_JOB_STOP_WAIT_TIME_S higher: give it the time a checkpoint
+takes, e.g. --runtime-env-json '{"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "120"}}'.
 """
 
 from __future__ import annotations
@@ -60,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     started = ensure_ray(cfg)
 
-    # `ray job stop` sends SIGTERM: turn it into an exception so the driver's finally-blocks kill the
-    # workers; committed checkpoints are never touched. Installed after ray.init, which sets SIGTERM
-    # handlers of its own (Python and C++) that end the process without that cleanup.
+    # Outside `train` (which stops cleanly on a first signal), SIGTERM becomes an exception so the
+    # finally-blocks kill the workers; committed checkpoints are never touched. Installed after ray.init,
+    # which sets SIGTERM handlers of its own (Python and C++) that end the process without that cleanup.
     def _terminate(signum: int, frame: object) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
@@ -87,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.result_json:
         with open(args.result_json, "w") as fh:
             fh.write(result_to_json(result))
+    if result.status == "stopped":
+        print(
+            f"result: status=stopped steps={result.global_step} reason={result.stop_reason!r} "
+            f"latest_checkpoint={result.latest_checkpoint}"
+        )
+        return 130
     evaluated = (
         f" eval_loss={result.evaluation['loss']} (step {result.evaluation['global_step']})"
         if result.evaluation

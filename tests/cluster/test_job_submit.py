@@ -1,5 +1,6 @@
 """`ray job submit` against a real Ray head started with `ray start --head`, as a user runs the product:
-the job trains and checkpoints, a resubmit resumes, `ray job stop` shuts the workers down, a bad config
+the job trains and checkpoints, a resubmit resumes, `ray job stop` stops it at a step with a checkpoint
+there and shuts the workers down, a bad config
 fails the job with a message naming the field, the workers run the shipped --working-dir code, and token
 authentication works end to end.
 
@@ -78,13 +79,15 @@ def submit(
     options: tuple[str, ...] = (),
     timeout: float = 240,
     env: dict[str, str] | None = None,
+    env_vars: dict[str, str] | None = None,
 ):  # type: ignore[no-untyped-def]
+    runtime_env = json.dumps({"excludes": EXCLUDES, "env_vars": env_vars}) if env_vars else RUNTIME_ENV
     return h.job(
         "submit",
         "--working-dir",
         REPO,
         "--runtime-env-json",
-        RUNTIME_ENV,
+        runtime_env,
         *options,
         "--",
         "python",
@@ -133,13 +136,16 @@ def test_resubmit_resumes(head: Head, storage_dir: str) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_job_stop_shuts_workers_down(head: Head, storage_dir: str) -> None:
+def test_job_stop_stops_at_a_step_with_a_checkpoint_there_and_shuts_workers_down(
+    head: Head, storage_dir: str
+) -> None:
     job_id = f"stop-{secrets.token_hex(3)}"
     proc = submit(
         head,
         *small(storage_dir, "stopped", "training.epochs=50"),
         options=("--no-wait", "--submission-id", job_id),
         timeout=120,
+        env_vars={"RAY_JOB_STOP_WAIT_TIME_S": "60"},  # the time `ray job stop` gives before SIGKILL
     )
     assert proc.returncode == 0, proc.stdout[-4000:]
     store = CheckpointStore(Storage(os.path.join(storage_dir, "stopped")))
@@ -161,10 +167,16 @@ def test_job_stop_shuts_workers_down(head: Head, storage_dir: str) -> None:
         )
         time.sleep(0.5)
     logs = head.job("logs", job_id, timeout=60).stdout
-    assert "stopped: workers shut down" in logs, logs[-6000:]
+    assert "stopping (SIGTERM): every rank stops after step" in logs, logs[-6000:]
+    assert "kills this driver 60s after its SIGTERM" in logs, logs[-6000:]  # how long it has, said
+    assert "result: status=stopped" in logs, logs[-6000:]
+    ev = events(storage_dir, "stopped")
+    (stopped,) = [e for e in ev if e["event"] == "stopped"]
+    assert stopped["reason"] == "SIGTERM" and stopped["committed"] is True
+    assert stopped["checkpoint_step"] == stopped["global_step"]  # nothing trained since is lost
     latest = store.load_latest()
-    assert latest is not None and latest.info.step > 0
-    assert all(e["event"] != "finished" for e in events(storage_dir, "stopped"))
+    assert latest is not None and latest.info.step == stopped["global_step"] > 0
+    assert all(e["event"] != "finished" for e in ev)
 
 
 def workers_alive(h: Head) -> list[int]:

@@ -754,3 +754,104 @@ def test_an_evaluation_s_batches_are_progress_for_the_hang_watch() -> None:
     time.sleep(0.15)
     hung = watch.update([Heartbeat(0, 7, 0.0, 0.01, True, eval_batches=4)])
     assert hung is not None and hung[0] == 0 and "no progress" in hung[1]
+
+
+# ---------------------------------------------------------------------------------------- stop on request
+class CommittingGroup(ScriptedGroup):
+    """Rank 0 commits the checkpoint a stop asks for; its flush (``finish``) reports it."""
+
+    def finish(self) -> list[CommitRecord]:
+        super().finish()
+        step = getattr(self, "stop_step", None)
+        return [CommitRecord(step, self.epoch, f"mem://{step}", 10, 0.0, 0.01)] if step is not None else []
+
+
+def test_a_stop_asked_for_stops_every_rank_at_a_step_with_a_checkpoint_and_ends_stopped() -> None:
+    driver, _ = make({0: ["busy", "busy"]}, group_cls=CommittingGroup)
+    driver.request_stop("SIGTERM")  # as the signal handler does: only a field is set
+    result = driver.run()
+    assert result.status == "stopped" and result.stop_reason == "SIGTERM"
+    assert result.global_step == 1 and result.attempts == 1 and result.failures == []
+    (group,) = ScriptedGroup.instances
+    assert group.calls == ["epoch0@0", "stop(checkpoint=True)", "finish"]  # stopped, flushed, then gone
+    assert group.shut is True  # gracefully: the checkpoint was flushed first
+    ev = driver.events.records()
+    asked = next(e for e in ev if e["event"] == "stop_requested")
+    assert asked["reason"] == "SIGTERM" and asked["stop_step"] == 1
+    stopped = next(e for e in ev if e["event"] == "stopped")
+    assert stopped["global_step"] == 1 and stopped["committed"] is True and stopped["reason"] == "SIGTERM"
+    assert [e["event"] for e in ev if e["event"] == "checkpoint"] == ["checkpoint"]
+    assert "finished" not in kinds(driver)
+    text = driver.out.getvalue()  # type: ignore[attr-defined]
+    assert "stopping (SIGTERM): every rank stops after step 1" in text
+    assert "stopped at step 1 (SIGTERM)" in text and "Resubmit the same job to resume" in text
+
+
+def test_a_stop_file_is_read_while_training_acted_on_once_and_removed() -> None:
+    from cluster.control import STOP_FILE, read_stop_request, request_stop
+
+    driver, _ = make({0: ["busy", "busy"]}, group_cls=CommittingGroup)
+    request_stop(driver.run_url, reason="python -m cluster stop by me@here")  # after the driver started
+    result = driver.run()
+    assert result.status == "stopped" and result.stop_reason == "python -m cluster stop by me@here"
+    assert not driver.storage.exists(STOP_FILE) and read_stop_request(driver.storage) is None
+    assert kinds(driver).count("stopped") == 1
+
+
+def test_a_stop_request_older_than_the_driver_is_removed_unread(caplog: pytest.LogCaptureFixture) -> None:
+    from cluster.control import STOP_FILE, write_stop_request
+    from cluster.storage import Storage
+
+    driver, _ = make({})
+    write_stop_request(Storage(driver.run_url), reason="a stop that found no job")
+    driver._started_at = time.time() + 1  # the request predates this driver
+    result = driver.run()
+    assert result.status == "finished" and result.global_step == 3 * STEPS
+    assert not driver.storage.exists(STOP_FILE)
+    assert any("before this job started" in r.getMessage() for r in caplog.records)
+
+
+def test_a_failure_while_stopping_ends_the_run_stopped_without_a_restart() -> None:
+    driver, _ = make({0: ["busy", Failure("worker_died", 1, "worker_died:rank 1 died")]})
+    driver.request_stop("SIGINT")
+    result = driver.run()
+    assert result.status == "stopped" and len(ScriptedGroup.instances) == 1  # no recovery
+    assert ScriptedGroup.instances[0].shut is False
+    stopped = next(e for e in driver.events.records() if e["event"] == "stopped")
+    assert stopped["committed"] is False and "worker_died, rank 1" in stopped["note"]
+    assert "decision" not in kinds(driver)
+
+
+def test_a_stop_reached_by_the_epoch_end_keeps_that_epoch_and_a_last_epoch_finishes() -> None:
+    class EpochFirst(CommittingGroup):  # every epoch ends before the step the stop named
+        def stop(self, checkpoint: bool) -> int:
+            step = super().stop(checkpoint)
+            self.stop_step = None
+            return step
+
+    driver, _ = make({0: ["busy", "busy"]}, group_cls=EpochFirst)
+    driver.request_stop("SIGINT")
+    result = driver.run()
+    assert result.status == "stopped" and result.global_step == STEPS and result.epochs_completed == 1
+    assert kinds(driver).count("epoch_end") == 1
+    # the stop's checkpoint was taken at the epoch's end; no next epoch is dispatched
+    assert ScriptedGroup.instances[0].calls == ["epoch0@0", "stop(checkpoint=True)", "finish"]
+
+    driver, _ = make({0: ["busy", "busy"]}, ["training.epochs=1"], group_cls=EpochFirst)
+    driver.request_stop("SIGINT")
+    assert driver.run().status == "finished"  # the stop came with the last epoch's end: nothing to stop
+
+
+def test_signals_stop_cleanly_once_then_at_once_and_the_old_handlers_come_back() -> None:
+    import signal
+
+    from cluster.driver import stop_on_signals
+
+    driver, _ = make({})
+    before = signal.getsignal(signal.SIGTERM)
+    with stop_on_signals(driver):
+        signal.raise_signal(signal.SIGTERM)  # the handler runs before raise_signal returns
+        assert driver._stop_request is not None and driver._stop_request.reason == "SIGTERM"
+        with pytest.raises(KeyboardInterrupt, match="SIGINT again"):
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -1,0 +1,156 @@
+"""Stopping a running job on request, on a real local Ray: `python -m cluster stop` (a file in the run's
+storage) and Ctrl-C (SIGINT to the driver) each stop every rank at a step with a checkpoint there, and the
+run resumed twice ends bitwise where an uninterrupted run ends."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from cluster import load_config, train
+from cluster.checkpoint import CheckpointStore
+from cluster.config import JobConfig
+from cluster.control import STOP_FILE
+from cluster.inspect import STOPPED, read_events, run_status
+from cluster.storage import Storage
+from tests.ray.test_faults import assert_bitwise_equal
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EPOCHS, STEPS = 3, 20
+
+
+def config(storage: str, name: str, *extra: str) -> JobConfig:
+    return load_config(
+        "jobs/configs/tiny_cpu.yaml",
+        [
+            f"storage={storage}",
+            f"name={name}",
+            "task=tests.audit_task:SlowCharLM",
+            "task_args.max_chars=40000",
+            "task_args.d_model=32",
+            "task_args.n_layers=1",
+            "task_args.context=32",
+            "task_args.dropout=0.1",
+            "training.global_batch_size=32",
+            f"training.epochs={EPOCHS}",
+            f"training.max_steps_per_epoch={STEPS}",
+            "training.log_every_steps=1",
+            "checkpoint.every_epochs=0",  # the only checkpoints are the stops' and the last
+            "failures.hang_timeout_s=20",  # a heartbeat a second
+            *extra,
+        ],
+    )
+
+
+def events(run_url: str) -> list[dict[str, Any]]:
+    try:
+        return read_events(Storage(run_url))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+
+
+def final_weights(run_url: str) -> dict[str, torch.Tensor]:
+    latest = CheckpointStore(Storage(run_url)).load_latest()
+    assert latest is not None and latest.info.step == EPOCHS * STEPS
+    return latest.files["model.pt"]
+
+
+def when_training(run_url: str, groups_before: int, action: Any) -> threading.Thread:
+    """Run ``action()`` a second after this submission's group started training."""
+
+    def go() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if sum(e["event"] == "group_started" for e in events(run_url)) > groups_before:
+                time.sleep(1.0)
+                action()
+                return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": REPO}
+    return subprocess.run(
+        [sys.executable, "-m", "cluster", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_stopped_by_the_cli_then_by_ctrl_c_then_resumed_ends_bitwise_as_an_uninterrupted_run(
+    ray_local: None, tmp_path: Any
+) -> None:
+    reference = train(config(str(tmp_path), "reference"), out=io.StringIO())
+    assert reference.status == "finished"
+
+    slow = "task_args.step_sleep_s=0.2"  # time to act mid-run; sleeping changes no number
+    cfg = config(str(tmp_path), "stopped", slow)
+    run_url = f"{tmp_path}/stopped"
+
+    # 1. `python -m cluster stop RUN --wait` from another process: a file in the run's storage
+    stopper: dict[str, subprocess.CompletedProcess[str]] = {}
+    when_training(run_url, 0, lambda: stopper.setdefault("out", cli("stop", run_url, "--wait", "90")))
+    first = train(cfg, out=io.StringIO())
+    assert first.status == "stopped" and first.stop_reason is not None
+    assert first.stop_reason.startswith("python -m cluster stop by ")
+    assert 0 < first.global_step < EPOCHS * STEPS
+    deadline = time.monotonic() + 30
+    while "out" not in stopper:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    out = stopper["out"]
+    assert out.returncode == 0, out.stderr
+    assert f"stopped at step {first.global_step}; checkpoint at step {first.global_step}" in out.stdout
+    assert not os.path.exists(f"{run_url}/{STOP_FILE}")  # acted on once: a resubmission is not stopped
+    ev = events(run_url)
+    assert run_status(ev) == STOPPED
+    stopped = [e for e in ev if e["event"] == "stopped"]
+    assert len(stopped) == 1 and stopped[0]["committed"] is True
+    assert stopped[0]["checkpoint_step"] == first.global_step  # a checkpoint where every rank stopped
+    assert CheckpointStore(Storage(run_url)).list()[-1].step == first.global_step
+    again = cli("stop", run_url)  # nothing is training it now
+    assert again.returncode == 2 and "is stopped: no job is training it" in again.stderr
+
+    # 2. Ctrl-C: the first SIGINT to the driver stops cleanly (a stray one after the run is ignored here)
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+    try:
+        groups = sum(e["event"] == "group_started" for e in ev)
+        when_training(run_url, groups, lambda: os.kill(os.getpid(), signal.SIGINT))
+        second = train(cfg, out=io.StringIO())
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert second.status == "stopped" and second.stop_reason == "SIGINT"
+    assert first.global_step < second.global_step < EPOCHS * STEPS
+    ev = events(run_url)
+    starts = [e for e in ev if e["event"] == "group_started"]
+    assert starts[-1]["resume_step"] == first.global_step  # from the first stop's checkpoint
+    assert [e["checkpoint_step"] for e in ev if e["event"] == "stopped"] == [
+        first.global_step,
+        second.global_step,
+    ]
+
+    # 3. resubmitted once more: finishes, bitwise where the uninterrupted run ended
+    third = train(cfg, out=io.StringIO())
+    assert third.status == "finished" and third.global_step == EPOCHS * STEPS
+    starts = [e for e in events(run_url) if e["event"] == "group_started"]
+    assert starts[-1]["resume_step"] == second.global_step
+    assert_bitwise_equal(final_weights(reference.run_url), final_weights(run_url))
