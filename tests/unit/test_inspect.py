@@ -7,6 +7,7 @@ import pytest
 from cluster.inspect import (
     FAILED,
     FINISHED,
+    STOPPED,
     UNFINISHED,
     count_attempts,
     failure_records,
@@ -45,6 +46,9 @@ def test_status_comes_from_the_last_submission() -> None:
     assert run_status(CRASHED_THEN_FINISHED[:11]) == UNFINISHED  # resubmitted after failing, not done yet
     assert run_status([]) == UNFINISHED
     assert run_status([ev("run_start"), ev("already_complete", global_step=3)]) == FINISHED
+    stopped = [ev("run_start"), ev("stop_requested", reason="SIGINT"), ev("stopped", global_step=7)]
+    assert run_status(stopped) == STOPPED
+    assert run_status([*stopped, ev("run_start")]) == UNFINISHED  # resubmitted: training again
 
 
 def test_attempts_add_up_over_submissions() -> None:
