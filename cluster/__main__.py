@@ -6,6 +6,7 @@
     python -m cluster plot ./runs/tiny-cpu --out tiny.png  # loss and samples/s vs global step
     python -m cluster eval ./runs/tiny-cpu --step best     # a checkpoint on the run's eval set, here
     python -m cluster stop ./runs/tiny-cpu --wait 300      # a running job stops with a checkpoint
+    python -m cluster stacks ./runs/tiny-cpu               # where every rank of a running job is now
     python -m cluster docs-config --write docs/config.md   # regenerate the config reference
 
 Storage credentials come from the usual environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS) or from
@@ -116,6 +117,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     st.add_argument("--reason", default=None, help="recorded in the run's stopped event (default: user@host)")
 
+    sk = add("stacks", "where every rank of a running job is: its threads' Python stacks, grouped")
+    sk.add_argument("url", help="URL/NAME of a run, or the storage URL when NAME is given")
+    sk.add_argument("name", nargs="?", help="run name under URL")
+    sk.add_argument(
+        "--wait",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="how long to wait for the job (default 60)",
+    )
+    sk.add_argument("--summary", action="store_true", help="print only where each group of ranks is")
+
     dc = sub.add_parser("docs-config", help="print the configuration reference (docs/config.md, generated)")
     dc.add_argument("--write", metavar="FILE", help="replace the reference block in this file instead")
     return p
@@ -156,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             return _eval(args, options)
         elif args.command == "stop":
             return _stop(args, options)
+        elif args.command == "stacks":
+            return _stacks(args, options)
     except StorageError as exc:
         return _error(f"storage error: {exc}", 1)
     except CheckpointError as exc:
@@ -226,6 +241,40 @@ def _stop(args: argparse.Namespace, options: dict[str, Any]) -> int:
             )
         time.sleep(1.0)
     return 0
+
+
+def _stacks(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    from cluster.control import write_stacks_request
+
+    storage = inspect.open_run(args.url, args.name, options)
+    status = inspect.run_status(inspect.read_events(storage))
+    if status != inspect.UNFINISHED:
+        return _error(f"error: {storage.root} is {status}: no job is training it", 2)
+    req_id = write_stacks_request(storage)
+    deadline = time.time() + args.wait
+    while True:
+        found = [
+            e
+            for e in inspect.read_events(storage)
+            if e.get("event") == "stacks" and e.get("request") == req_id
+        ]
+        if found:
+            e = found[-1]
+            if args.summary:
+                for g in e.get("groups", []):
+                    print(f"ranks {g['ranks']}: {g['where']}")
+                if e.get("silent"):
+                    print(f"ranks {e['silent']}: no answer")
+            else:
+                sys.stdout.write(storage.read_bytes(e["path"]).decode())
+            return 0
+        if time.time() >= deadline:
+            return _error(
+                f"no answer within {args.wait:g}s: is a job training it? Its driver reads requests every few "
+                "seconds while the ranks train (not while a group starts or recovers)",
+                1,
+            )
+        time.sleep(0.5)
 
 
 def _error(text: str, code: int) -> int:

@@ -1,4 +1,5 @@
-"""Asking a running job to stop cleanly, from anywhere that can write its storage.
+"""Asking a running job to do something, from anywhere that can write its storage: stop cleanly, or say
+where every rank is (their stacks).
 
 ``python -m cluster stop RUN`` (or ``cluster.request_stop(run_url)``) writes
 ``<run>/control/stop.json``. The job's driver looks for it while the ranks train (at most every
@@ -6,6 +7,10 @@
 event and ends with status ``stopped``. A resubmission of the same job resumes from that checkpoint
 exactly. The driver removes the request once it has acted on it; a request older than the driver (left by a
 stop that found no job) is removed unread.
+
+``python -m cluster stacks RUN`` (or :func:`write_stacks_request`) writes ``<run>/control/stacks.json``; the
+driver takes every rank's thread stacks, writes them to ``<run>/diagnostics/`` and a ``stacks`` event naming
+the request's id, then removes the request.
 
 Ctrl-C and ``ray job stop`` (SIGINT, SIGTERM) reach the same stop through the driver's signal handlers
 (:func:`cluster.driver.train`); a second signal stops at once, as before.
@@ -18,6 +23,7 @@ import json
 import logging
 import socket
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,10 +31,12 @@ from cluster.storage import Storage
 
 logger = logging.getLogger(__name__)
 
-STOP_FILE = "control/stop.json"
+CONTROL = "control"
+STOP_FILE = f"{CONTROL}/stop.json"
+STACKS_FILE = f"{CONTROL}/stacks.json"
 STOP_POLL_S = 5.0
-"""While the ranks train, the driver reads the stop request's file at most once per this many seconds (one
-small storage read; on an object store, one HEAD request)."""
+"""While the ranks train, the driver lists ``control/`` at most once per this many seconds (one storage
+listing; on an object store, one LIST request)."""
 
 
 @dataclass(frozen=True)
@@ -69,10 +77,41 @@ def read_stop_request(run: Storage) -> StopRequest | None:
 
 def clear_stop_request(run: Storage) -> None:
     """Remove the request (acted on, or stale); a missing file is fine."""
+    run.rm(STOP_FILE)
+
+
+def pending(run: Storage) -> set[str]:
+    """The requests waiting in ``control/``, by path (``STOP_FILE``, ``STACKS_FILE``)."""
+    return {f"{CONTROL}/{name}" for name in run.listdir(CONTROL)}
+
+
+def write_stacks_request(run: Storage) -> str:
+    """Ask the job training ``run`` for every rank's stacks; returns the request's id, which the job's
+    ``stacks`` event names."""
+    req_id = uuid.uuid4().hex[:12]
+    body = {"id": req_id, "by": f"{_user()}@{socket.gethostname()}", "requested_at": time.time()}
+    run.write_atomic(STACKS_FILE, json.dumps(body).encode())
+    return req_id
+
+
+def read_stacks_request(run: Storage) -> dict[str, Any] | None:
+    """The pending stacks request (``id``, ``by``, ``requested_at``), or None. An unreadable one still
+    counts (someone asked): it reads as ``{}``."""
     try:
-        run.rm(STOP_FILE)
+        data: Any = json.loads(run.read_bytes(STACKS_FILE))
     except FileNotFoundError:
-        pass
+        return None
+    except ValueError:
+        logger.warning("%s does not parse; answering it anyway", run.url(STACKS_FILE))
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def take_stacks_request(run: Storage) -> dict[str, Any]:
+    """Read and remove the stacks request."""
+    data = read_stacks_request(run) or {}
+    run.rm(STACKS_FILE)
+    return data
 
 
 def _user() -> str:

@@ -37,9 +37,20 @@ from typing import Any, TextIO
 import torch
 
 from cluster import local_ray
+from cluster import stacks as stack_dump
 from cluster.checkpoint import CheckpointInfo, CheckpointStore, CommitRecord, step_dir
 from cluster.config import JobConfig
-from cluster.control import STOP_POLL_S, StopRequest, clear_stop_request, read_stop_request
+from cluster.control import (
+    STACKS_FILE,
+    STOP_FILE,
+    STOP_POLL_S,
+    StopRequest,
+    clear_stop_request,
+    pending,
+    read_stacks_request,
+    read_stop_request,
+    take_stacks_request,
+)
 from cluster.errors import (
     CheckpointError,
     ConfigError,
@@ -175,6 +186,7 @@ class Driver:
         self._stop_request: StopRequest | None = None  # set by request_stop (a signal) or the stop file
         self._stop_step: int | None = None  # the step the group was asked to stop at, for it
         self._next_stop_check = 0.0
+        self._seen_step = 0  # the furthest step a heartbeat reported
         self._started_at = time.time()
         # The stop file is read without retries: an outage must never stall the loop that watches the ranks.
         self._control = Storage(self.run_url, cfg.storage.options, retries=0, retry_budget_s=0.0)
@@ -233,13 +245,17 @@ class Driver:
         except FileNotFoundError:
             previous = None
         stale = read_stop_request(self.storage)
-        if stale is not None and stale.requested_at < self._started_at:
+        if stale is not None and stale.requested_at <= self._started_at:
             logger.warning(
                 "removing a stop request from before this job started (%s, %s): no job was running then",
                 stale.reason,
                 time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stale.requested_at)),
             )
             clear_stop_request(self.storage)
+        asked = read_stacks_request(self.storage)
+        if asked is not None and float(asked.get("requested_at", 0)) <= self._started_at:
+            logger.warning("removing a stacks request from before this job started: no job was running then")
+            take_stacks_request(self.storage)
         if previous is not None:
             _check_compatible(previous.get("config", {}), self.cfg)
             self._evaluated = {
@@ -482,11 +498,13 @@ class Driver:
                 return self._epoch_done(s, results, time.time() - t_epoch)
             beats = self._beats()
             hung = watch.update(beats)
+            self._seen_step = watch.max_step
             self._watch_pace(beats, watch.max_step)
             self._announce_spare()
             self._display.live(watch.max_step, self.cfg.training.global_batch_size)
             if hung is not None:
                 self._move = None
+                self._dump_stacks(f"hang: {hung[1]}", "hang", watch.max_step)  # before the group is killed
                 return self._on_failure(Failure("hang", hung[0], hung[1]), watch.max_step)
 
     def _epoch_done(self, s: Running, results: list[EpochResult], wall_s: float) -> State:
@@ -841,17 +859,9 @@ class Driver:
         let finish (the stop is acted on once the moved group trains), one still preparing is dropped."""
         assert self.group is not None
         now = time.time()
-        if self._stop_request is None and now >= self._next_stop_check:
+        if now >= self._next_stop_check:
             self._next_stop_check = now + STOP_POLL_S
-            try:
-                req = read_stop_request(self._control)
-            except StorageError as exc:  # storage down: the next poll tries again; training goes on
-                if not self._control_error_logged:
-                    logger.warning("could not read the stop request file: %s", exc)
-                    self._control_error_logged = True
-                req = None
-            if req is not None:
-                self.request_stop(req.reason)
+            self._read_control()
         req = self._stop_request
         if req is None or self._stop_step is not None:
             return
@@ -870,6 +880,58 @@ class Driver:
             f"[{self.cfg.name}] stopping ({req.reason}): every rank stops after step {self._stop_step} "
             f"with a checkpoint there{_grace_note(req.reason)}. Once more to stop at once (no checkpoint)"
         )
+
+    def _read_control(self) -> None:
+        """One listing of ``control/``: a stop asked for (``python -m cluster stop``), stacks asked for
+        (``python -m cluster stacks``: answered at once). Storage trouble only delays them."""
+        try:
+            found = pending(self._control)
+            if STOP_FILE in found and self._stop_request is None:
+                req = read_stop_request(self._control)
+                if req is not None:
+                    self.request_stop(req.reason)
+            if STACKS_FILE in found:
+                asked = take_stacks_request(self._control)
+                by = asked.get("by", "python -m cluster stacks")
+                step = max(self.global_step, self._seen_step)
+                self._dump_stacks(f"asked for by {by}", "request", step, asked.get("id"))
+        except StorageError as exc:  # storage down: the next poll tries again; training goes on
+            if not self._control_error_logged:
+                logger.warning("could not read the run's control requests: %s", exc)
+                self._control_error_logged = True
+
+    def _dump_stacks(self, reason: str, kind: str, step: int | None, request: str | None = None) -> None:
+        """Every rank's thread stacks to ``diagnostics/`` (the full report), a ``stacks`` event (where each
+        group of ranks stands) and console lines. Never raises: it serves a diagnosis, and must not stand
+        in the way of the recovery that follows a hang."""
+        if self.group is None:
+            return
+        try:
+            raw = self.group.stacks(STACKS_TIMEOUT_S)
+            stacks = {r: stack_dump.from_wire(x) if x is not None else None for r, x in enumerate(raw)}
+            groups, silent = stack_dump.group(stacks)
+            rel = f"diagnostics/stacks_{time.strftime('%Y%m%d-%H%M%S')}_attempt{self.attempt}_{kind}.txt"
+            self.storage.write_atomic(rel, stack_dump.render(reason, stacks, self._rank_hosts, step).encode())
+            self.events.append(
+                "stacks",
+                reason=reason,
+                kind=kind,
+                step=step,
+                attempt=self.attempt,
+                request=request,
+                path=rel,
+                groups=[{"ranks": g.ranks, "where": g.where} for g in groups],
+                silent=silent,
+            )
+            lines = [f"  ranks {stack_dump.ranges(g.ranks)}: {g.where}" for g in groups]
+            if silent:
+                lines.append(f"  ranks {stack_dump.ranges(silent)}: no answer")
+            self._print(
+                f"[{self.cfg.name}] where the ranks are ({reason}); every thread in {self.storage.url(rel)}\n"
+                + "\n".join(lines)
+            )
+        except Exception as exc:  # a diagnosis that fails is logged; the run goes on
+            logger.warning("could not take the ranks' stacks: %s: %s", type(exc).__name__, exc)
 
     def _stopped(self, s: Running, results: list[EpochResult], wall_s: float) -> State:
         """The group stopped as asked (or its epoch ended first, with the checkpoint the stop asked for):
@@ -1212,6 +1274,8 @@ class Driver:
         )
 
 
+STACKS_TIMEOUT_S = 5.0
+"""How long the driver waits for the ranks' stacks; a rank that did not answer by then is named silent."""
 GROW_POLL_S = 2.0
 """While smaller than ``scaling.num_workers``: at most one check for room to grow per this many seconds."""
 DRAIN_POLL_S = 1.0

@@ -72,6 +72,11 @@ class WorkerGroup(Protocol):
         """Flush rank 0's checkpoint in flight; the commits not yet reported."""
         ...
 
+    def stacks(self, timeout: float = 5.0) -> list[list[dict[str, Any]] | None]:
+        """Each rank's thread stacks as plain data (``cluster.stacks.to_wire``); None for a rank that did
+        not answer within ``timeout``."""
+        ...
+
     def spare_ready(self) -> float | None:
         """Seconds the hot spare took to prepare, once it has; None before or without one."""
         ...

@@ -35,6 +35,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cluster import dist as cdist
+from cluster import stacks as stack_dump
 from cluster.checkpoint import CheckpointStore, CheckpointWriter, CommitRecord, step_dir
 from cluster.config import FaultSpec, JobConfig, parse_fault_env
 from cluster.data import LEGACY_ORDER, ORDERS, TORCH_ORDER, InputPipeline, ResumableDistributedSampler
@@ -287,6 +288,7 @@ class Worker:
         self._best = BestEval(c.best_metric, c.best_mode, cfg.evaluation.patience)  # TrainState.best_eval
         self._last_eval: tuple[int, dict[str, float]] | None = None  # (step, loss and metrics)
         self._eval_batches = 0
+        self._train_ident: int | None = None
         self._best_at: int | None = None  # the step of an evaluation that became the best: checkpoint it
         self.gpu_index = 0  # this rank's GPU among the visible ones (``use_gpus``)
         self.faults = self._faults()
@@ -727,6 +729,7 @@ class Worker:
         failure (the driver never got it): run it before the first step."""
         if self._stop.dispatch != dispatch:
             self._stop = _StopRequest()  # a request for an earlier call
+        self._train_ident = threading.get_ident()  # whose stack ``stacks`` marks as the training thread
         try:
             session = self._session()
             cdist.bind_thread(session.device)  # Ray may run this call on another thread than setup's
@@ -1112,6 +1115,11 @@ class Worker:
                     time.sleep(3600)
             elif fault.kind == "raise":
                 raise RuntimeError(f"injected fault on rank {self.rank} at step {next_step}")
+
+    def stacks(self) -> list[dict[str, Any]]:
+        """The Python stacks of this process's other threads, the training thread marked (served by the
+        actor's second thread while the first trains or hangs; ``cluster.stacks``)."""
+        return stack_dump.to_wire(stack_dump.take(self._train_ident if self._in_epoch else None))
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(

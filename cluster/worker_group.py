@@ -88,6 +88,9 @@ class _WorkerActor:
     def heartbeat(self) -> Heartbeat:
         return self.worker.heartbeat()
 
+    def stacks(self) -> list[dict[str, Any]]:
+        return self.worker.stacks()
+
     def finish(self) -> list[CommitRecord]:
         return self.worker.finish()
 
@@ -455,6 +458,23 @@ class RayWorkerGroup:
     def finish(self) -> list[CommitRecord]:
         return list(self._get([self.actors[0].finish.remote()], self.cfg.failures.process_group_timeout_s)[0])
 
+    def stacks(self, timeout: float = 5.0) -> list[list[dict[str, Any]] | None]:
+        """Each rank's thread stacks (``Worker.stacks``, plain data); None for a rank that did not answer
+        within ``timeout`` (its process holds the GIL, is gone, or its second thread is busy)."""
+        refs = [a.stacks.remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        out: list[list[dict[str, Any]] | None] = []
+        for ref in refs:
+            if ref not in ready:
+                out.append(None)
+                continue
+            try:
+                out.append(ray.get(ref))
+            except (RayActorError, RayTaskError) as exc:
+                logger.warning("no stacks from a rank: %s", type(exc).__name__)
+                out.append(None)
+        return out
+
     def classify(self, exc: BaseException) -> Failure:
         """Turn the first error seen into a Failure, looking at every rank for the root cause.
 
@@ -760,6 +780,7 @@ _TRAINING_MODULES = (
     "peer.py",
     "preemption.py",
     "process.py",
+    "stacks.py",
     "storage.py",
     "task.py",
     "worker.py",

@@ -215,6 +215,15 @@ def test_hang_is_detected_by_heartbeat_and_recovered(reference: dict, tmp_path: 
     # detected by the 3 s heartbeat timeout, long before the 120 s process-group timeout would fire
     assert failure["time"] - started < 30
     assert_bitwise_equal(final_model(run_url), reference)
+    # Before the hung group was killed, the driver took every rank's stacks: the hung rank stands in the
+    # injected hang, the other in a collective of DDP's (its forward's buffer broadcast), waiting for it.
+    (dump,) = events(run_url, "stacks")
+    assert dump["kind"] == "hang" and dump["silent"] == [] and dump["time"] < failure["time"]
+    where = {r: g["where"] for g in dump["groups"] for r in g["ranks"]}
+    assert "_maybe_inject_fault (cluster/worker.py:" in where[1], dump
+    assert "torch/nn/parallel/distributed.py" in where[0] and "compute_loss" in where[0], dump
+    text = Storage(run_url).read_bytes(dump["path"]).decode()
+    assert "=== rank 0" in text and "=== rank 1" in text and "--- thread" in text and "(training)" in text
 
 
 def test_a_slow_rank_is_named_with_its_host_and_cleared_never_on_the_others(

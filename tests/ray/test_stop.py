@@ -1,6 +1,6 @@
-"""Stopping a running job on request, on a real local Ray: `python -m cluster stop` (a file in the run's
-storage) and Ctrl-C (SIGINT to the driver) each stop every rank at a step with a checkpoint there, and the
-run resumed twice ends bitwise where an uninterrupted run ends."""
+"""Asking a running job, on a real local Ray: `python -m cluster stop` (a file in the run's storage) and
+Ctrl-C (SIGINT to the driver) each stop every rank at a step with a checkpoint there, and the run resumed
+twice ends bitwise where an uninterrupted run ends; `python -m cluster stacks` says where every rank is."""
 
 from __future__ import annotations
 
@@ -102,13 +102,23 @@ def test_stopped_by_the_cli_then_by_ctrl_c_then_resumed_ends_bitwise_as_an_unint
     reference = train(config(str(tmp_path), "reference"), out=io.StringIO())
     assert reference.status == "finished"
 
-    slow = "task_args.step_sleep_s=0.2"  # time to act mid-run; sleeping changes no number
+    slow = "task_args.step_sleep_s=0.25"  # time to act mid-run; sleeping changes no number
     cfg = config(str(tmp_path), "stopped", slow)
     run_url = f"{tmp_path}/stopped"
 
-    # 1. `python -m cluster stop RUN --wait` from another process: a file in the run's storage
+    # 1. `python -m cluster stacks RUN`, then `python -m cluster stop RUN --wait`, from other processes
     stopper: dict[str, subprocess.CompletedProcess[str]] = {}
-    when_training(run_url, 0, lambda: stopper.setdefault("out", cli("stop", run_url, "--wait", "90")))
+
+    def ask() -> None:
+        stacks = threading.Thread(
+            target=lambda: stopper.setdefault("stacks", cli("stacks", run_url, "--summary"))
+        )
+        stacks.start()
+        time.sleep(0.5)  # asked first: answered before the stop ends the job, at the latest in the same read
+        stopper["out"] = cli("stop", run_url, "--wait", "90")
+        stacks.join(60)
+
+    when_training(run_url, 0, ask)
     first = train(cfg, out=io.StringIO())
     assert first.status == "stopped" and first.stop_reason is not None
     assert first.stop_reason.startswith("python -m cluster stop by ")
@@ -119,6 +129,13 @@ def test_stopped_by_the_cli_then_by_ctrl_c_then_resumed_ends_bitwise_as_an_unint
         time.sleep(0.1)
     out = stopper["out"]
     assert out.returncode == 0, out.stderr
+    stacks = stopper["stacks"]
+    assert stacks.returncode == 0, stacks.stderr
+    summary = [line for line in stacks.stdout.splitlines() if line.startswith("ranks [")]
+    assert sorted(r for line in summary for r in json.loads(line.split(":")[0][len("ranks ") :])) == [0, 1]
+    assert "(cluster/worker.py:" in stacks.stdout or "audit_task.py:" in stacks.stdout, stacks.stdout
+    (answered,) = [e for e in events(run_url) if e["event"] == "stacks"]
+    assert answered["kind"] == "request" and answered["path"].startswith("diagnostics/")
     assert f"stopped at step {first.global_step}; checkpoint at step {first.global_step}" in out.stdout
     assert not os.path.exists(f"{run_url}/{STOP_FILE}")  # acted on once: a resubmission is not stopped
     ev = events(run_url)

@@ -166,6 +166,19 @@ class ScriptedGroup:
         self.calls.append("finish")
         return []
 
+    def stacks(self, timeout: float = 5.0) -> list[list[dict[str, Any]] | None]:
+        """Rank 1 stands in user code, the others in an all-reduce waiting for it; rank 2 gives no answer."""
+        waiting = [
+            ["/r/cluster/worker.py", 9, "_train_step", ""],
+            ["/v/site-packages/torch/d.py", 5, "all_reduce", ""],
+        ]
+        user = [["/r/cluster/worker.py", 9, "_train_step", ""], ["/r/mytask.py", 7, "compute_loss", ""]]
+        out: list[list[dict[str, Any]] | None] = []
+        for r in range(self.world_size):
+            frames = user if r == 1 else waiting
+            out.append(None if r == 2 else [{"name": "MainThread", "training": True, "frames": frames}])
+        return out
+
     def spare_ready(self) -> float | None:
         return None
 
@@ -271,6 +284,35 @@ def test_hang_detected_by_heartbeat() -> None:
     result = driver.run()
     assert result.failures[0]["kind"] == "hang"
     assert "no progress" in result.failures[0]["message"]
+    # where the ranks stood, taken before the hung group was killed
+    ev = driver.events.records()
+    (dump,) = [e for e in ev if e["event"] == "stacks"]
+    assert [e["event"] for e in ev].index("stacks") < [e["event"] for e in ev].index("failure")
+    assert dump["kind"] == "hang" and dump["reason"].startswith("hang: no progress")
+    assert dump["groups"] == [
+        {"ranks": [0], "where": "all_reduce (torch/d.py:5) from _train_step (cluster/worker.py:9)"},
+        {"ranks": [1], "where": "compute_loss (r/mytask.py:7)"},
+    ]
+    assert driver.storage.read_bytes(dump["path"]).decode().startswith("# stacks of 2 rank(s): hang")
+    assert "where the ranks are (hang: no progress" in driver.out.getvalue()  # type: ignore[attr-defined]
+
+
+def test_stacks_asked_for_while_training_are_answered_once_with_the_request_id() -> None:
+    from cluster.control import STACKS_FILE, write_stacks_request
+
+    driver, _ = make(
+        {0: ["busy", "busy"]},
+        capacity=3,
+        overrides=["scaling.num_workers=3", "training.global_batch_size=48"],
+    )
+    req = write_stacks_request(driver.storage)
+    driver._started_at = 0.0  # the request is newer than this driver: not removed as stale
+    assert driver.run().status == "finished"
+    (dump,) = [e for e in driver.events.records() if e["event"] == "stacks"]
+    assert dump["request"] == req and dump["kind"] == "request" and dump["silent"] == [2]
+    assert not driver.storage.exists(STACKS_FILE)
+    text = driver.storage.read_bytes(dump["path"]).decode()
+    assert "ranks 2: no answer" in text and "=== rank 2 on h\n(no answer)" in text
 
 
 def test_shrinks_to_min_workers_then_grows_back_at_epoch_boundary() -> None:
