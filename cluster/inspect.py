@@ -478,6 +478,7 @@ def report(storage: Storage, verify_all: bool = False) -> RunReport:
         "failed",
         "early_stopped",
         "stopped",
+        "stacks",
     )
     table = read_metrics(storage)
     metric_rows = table.to_pylist()
