@@ -666,6 +666,14 @@ def format_show(r: RunReport) -> str:
         out += [f"  {_when(p.time)}: {p.reason}" for p in r.preemptions if p.reason]
         out.append("  (SPARE_S: seconds left before the node's deadline when the ranks were off it)")
     for e in r.other_events:
+        if e.get("event") == "stacks":  # where the ranks stood (a hang, or asked for): the file, the groups
+            out.append(
+                f"  {_when(e.get('time'))} stacks ({e.get('kind')}, step {e.get('step')}): {e.get('path')}"
+            )
+            out += [f"    ranks {g.get('ranks')}: {g.get('where')}" for g in e.get("groups") or []]
+            if e.get("silent"):
+                out.append(f"    ranks {e['silent']}: no answer")
+            continue
         detail = {k: v for k, v in e.items() if k not in ("time", "event")}
         out.append(f"  {_when(e.get('time'))} {e.get('event')}: {json.dumps(detail, default=str)[:200]}")
     if r.slow_ranks:

@@ -295,6 +295,13 @@ def test_hang_detected_by_heartbeat() -> None:
     ]
     assert driver.storage.read_bytes(dump["path"]).decode().startswith("# stacks of 2 rank(s): hang")
     assert "where the ranks are (hang: no progress" in driver.out.getvalue()  # type: ignore[attr-defined]
+    from cluster.inspect import format_show, report
+
+    shown = format_show(report(driver.storage))  # python -m cluster show
+    assert (
+        f"stacks (hang, step 1): {dump['path']}" in shown
+        and "ranks [1]: compute_loss (r/mytask.py:7)" in shown
+    )
 
 
 def test_stacks_asked_for_while_training_are_answered_once_with_the_request_id() -> None:
