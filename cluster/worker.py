@@ -289,6 +289,7 @@ class Worker:
         self._last_eval: tuple[int, dict[str, float]] | None = None  # (step, loss and metrics)
         self._eval_batches = 0
         self._train_ident: int | None = None
+        self._grad_norm: torch.Tensor | None = None  # the last step's, when it was taken (``_train_step``)
         self._best_at: int | None = None  # the step of an evaluation that became the best: checkpoint it
         self.gpu_index = 0  # this rank's GPU among the visible ones (``use_gpus``)
         self.faults = self._faults()
@@ -923,8 +924,14 @@ class Worker:
             total += loss.detach().double() * len(chunk)
             for k, v in extra_metrics(extra).items():
                 metrics[k] = metrics.get(k, 0.0) + v * (len(chunk) / len(local_idx))
+        # The global gradient norm (after DDP's all-reduce: the same on every rank), before clipping: every
+        # step when clipping needs it anyway, else at rank 0's log steps only. A device tensor: no sync here.
+        self._grad_norm = None
         if tcfg.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(s.model.parameters(), tcfg.grad_clip)
+            self._grad_norm = torch.nn.utils.clip_grad_norm_(s.model.parameters(), tcfg.grad_clip)
+        elif self.rank == 0 and (self.global_step + 1) % tcfg.log_every_steps == 0:
+            grads = [p.grad for p in s.model.parameters() if p.grad is not None]
+            self._grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
         s.optimizer.step()
         s.optimizer.zero_grad(set_to_none=True)
         if s.scheduler is not None:
@@ -954,6 +961,7 @@ class Worker:
             "step_in_epoch": self.step_in_epoch,
             "loss": float(loss),
             "lr": float(s.optimizer.param_groups[0]["lr"]),
+            "grad_norm": float(self._grad_norm) if self._grad_norm is not None else None,
             "step_time_s": dt,
             "samples_per_s": self.cfg.training.global_batch_size / dt if dt > 0 else 0.0,
             "checkpoint_stall_s": stall,

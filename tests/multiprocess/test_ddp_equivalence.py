@@ -35,6 +35,11 @@ def test_two_workers_equal_one_process_on_the_same_global_batch(tmp_path: object
     assert one[0]["epochs"][-1][1] == two[0]["epochs"][-1][1] == 12  # global steps
     # and the parameters actually moved
     assert one[0]["epochs"][0][2] > one[0]["epochs"][-1][2]
+    # rank 0's logged gradient norm is the global batch's (after the all-reduce), as one process's is
+    norms_one = [r["grad_norm"] for r in one[0]["rows"]]
+    norms_two = [r["grad_norm"] for r in two[0]["rows"]]
+    assert len(norms_two) == 12 and all(n is not None and n > 0 for n in norms_two)
+    torch.testing.assert_close(torch.tensor(norms_two), torch.tensor(norms_one), rtol=1e-5, atol=0)
 
 
 def test_gradients_identical_across_ranks(tmp_path: object) -> None:

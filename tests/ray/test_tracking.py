@@ -140,6 +140,9 @@ def test_a_real_job_in_mlflow_and_tensorboard_and_its_resubmission(
     assert len(steps) == first.global_step
     assert history(client, run_id, "train/loss") == pytest.approx(steps)
     assert history(client, run_id, "train/lr") == pytest.approx(last_by_step(rows, "step", "lr"))
+    norms = last_by_step(rows, "step", "grad_norm")
+    assert len(norms) == first.global_step and all(v > 0 for v in norms.values())
+    assert history(client, run_id, "train/grad_norm") == pytest.approx(norms)
     assert history(client, run_id, "epoch/loss") == pytest.approx(last_by_step(rows, "epoch"))
     evals = last_by_step(rows, "eval")
     assert sorted(evals) == [first.global_step // 2, first.global_step]  # one per epoch

@@ -51,10 +51,12 @@ def wait_for(cond: Any, timeout: float = 10.0) -> None:
 
 
 def test_names_and_flattened_params() -> None:
-    row = {"kind": "step", "global_step": 3, "loss": 1.5, "lr": 0.1, "m_acc": 0.5, "world_size": 2, "x": None}
+    row = {"kind": "step", "global_step": 3, "loss": 1.5, "lr": 0.1, "grad_norm": 2.5, "m_acc": 0.5}
+    row = {**row, "world_size": 2, "x": None}
     assert dict(scalars(row)) == {
         "train/loss": 1.5,
         "train/lr": 0.1,
+        "train/grad_norm": 2.5,
         "train/acc": 0.5,
         "train/world_size": 2.0,
     }
