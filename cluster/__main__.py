@@ -7,6 +7,7 @@
     python -m cluster eval ./runs/tiny-cpu --step best     # a checkpoint on the run's eval set, here
     python -m cluster stop ./runs/tiny-cpu --wait 300      # a running job stops with a checkpoint
     python -m cluster stacks ./runs/tiny-cpu               # where every rank of a running job is now
+    python -m cluster profile ./runs/tiny-cpu --steps 5    # torch.profiler traces of a running job's steps
     python -m cluster docs-config --write docs/config.md   # regenerate the config reference
 
 Storage credentials come from the usual environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS) or from
@@ -129,6 +130,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     sk.add_argument("--summary", action="store_true", help="print only where each group of ranks is")
 
+    pr = add("profile", "record a running job's next steps with torch.profiler: a trace and a table per rank")
+    pr.add_argument("url", help="URL/NAME of a run, or the storage URL when NAME is given")
+    pr.add_argument("name", nargs="?", help="run name under URL")
+    pr.add_argument("--steps", type=int, default=5, help="training steps to record (default 5, at most 100)")
+    pr.add_argument("--ranks", default=None, help="ranks to profile, e.g. 0,3 (default: every rank)")
+    pr.add_argument(
+        "--wait",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="how long to wait for the files (default 300)",
+    )
+
     dc = sub.add_parser("docs-config", help="print the configuration reference (docs/config.md, generated)")
     dc.add_argument("--write", metavar="FILE", help="replace the reference block in this file instead")
     return p
@@ -171,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             return _stop(args, options)
         elif args.command == "stacks":
             return _stacks(args, options)
+        elif args.command == "profile":
+            return _profile(args, options)
     except StorageError as exc:
         return _error(f"storage error: {exc}", 1)
     except CheckpointError as exc:
@@ -274,6 +290,46 @@ def _stacks(args: argparse.Namespace, options: dict[str, Any]) -> int:
                 "seconds while the ranks train (not while a group starts or recovers)",
                 1,
             )
+        time.sleep(0.5)
+
+
+def _profile(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    from cluster.control import write_profile_request
+    from cluster.profiling import MAX_STEPS, table_name, trace_name
+
+    if not 1 <= args.steps <= MAX_STEPS:
+        return _error(f"error: --steps {args.steps} must be 1 to {MAX_STEPS}", 2)
+    try:
+        ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else None
+    except ValueError:
+        return _error(f"error: --ranks {args.ranks!r} must list rank numbers, e.g. 0,3", 2)
+    storage = inspect.open_run(args.url, args.name, options)
+    status = inspect.run_status(inspect.read_events(storage))
+    if status != inspect.UNFINISHED:
+        return _error(f"error: {storage.root} is {status}: no job is training it", 2)
+    req_id = write_profile_request(storage, args.steps, ranks)
+    deadline = time.time() + args.wait
+    started: dict[str, Any] | None = None
+    while True:
+        if started is None:
+            found = [
+                e
+                for e in inspect.read_events(storage)
+                if e.get("event") == "profile_requested" and e.get("request") == req_id
+            ]
+            started = found[-1] if found else None
+        if started is not None:
+            folder, want = started["folder"], started["ranks"]
+            have = set(storage.listdir(folder))
+            if all(table_name(r) in have for r in want):
+                sys.stdout.write(storage.read_bytes(f"{folder}/{table_name(want[0])}").decode())
+                print("\ntraces (https://ui.perfetto.dev, chrome://tracing, TensorBoard's profiler plugin):")
+                for r in want:
+                    print(f"  {storage.url(f'{folder}/{trace_name(r)}')}")
+                return 0
+        if time.time() >= deadline:
+            what = "no job took the request" if started is None else "the ranks did not write every profile"
+            return _error(f"{what} within {args.wait:g}s (is a job training it, and still stepping?)", 1)
         time.sleep(0.5)
 
 

@@ -34,6 +34,9 @@ logger = logging.getLogger(__name__)
 CONTROL = "control"
 STOP_FILE = f"{CONTROL}/stop.json"
 STACKS_FILE = f"{CONTROL}/stacks.json"
+PROFILE_FILE = f"{CONTROL}/profile.json"
+ANSWERED = (STACKS_FILE, PROFILE_FILE)
+"""Requests the driver answers (and removes) while the ranks train; ``STOP_FILE`` ends the job instead."""
 STOP_POLL_S = 5.0
 """While the ranks train, the driver lists ``control/`` at most once per this many seconds (one storage
 listing; on an object store, one LIST request)."""
@@ -88,30 +91,40 @@ def pending(run: Storage) -> set[str]:
 def write_stacks_request(run: Storage) -> str:
     """Ask the job training ``run`` for every rank's stacks; returns the request's id, which the job's
     ``stacks`` event names."""
-    req_id = uuid.uuid4().hex[:12]
-    body = {"id": req_id, "by": f"{_user()}@{socket.gethostname()}", "requested_at": time.time()}
-    run.write_atomic(STACKS_FILE, json.dumps(body).encode())
-    return req_id
+    return _write_request(run, STACKS_FILE, {})
 
 
-def read_stacks_request(run: Storage) -> dict[str, Any] | None:
-    """The pending stacks request (``id``, ``by``, ``requested_at``), or None. An unreadable one still
-    counts (someone asked): it reads as ``{}``."""
+def write_profile_request(run: Storage, steps: int, ranks: list[int] | None) -> str:
+    """Ask the job training ``run`` to profile ``steps`` steps on ``ranks`` (None: every rank); returns the
+    request's id, which its ``profile_requested`` event and the folder of its files name."""
+    return _write_request(run, PROFILE_FILE, {"steps": steps, "ranks": ranks})
+
+
+def read_request(run: Storage, path: str) -> dict[str, Any] | None:
+    """A pending request (``id``, ``by``, ``requested_at`` and its own fields), or None. An unreadable one
+    still counts (someone asked): it reads as ``{}``."""
     try:
-        data: Any = json.loads(run.read_bytes(STACKS_FILE))
+        data: Any = json.loads(run.read_bytes(path))
     except FileNotFoundError:
         return None
     except ValueError:
-        logger.warning("%s does not parse; answering it anyway", run.url(STACKS_FILE))
+        logger.warning("%s does not parse; answering it with defaults", run.url(path))
         return {}
     return data if isinstance(data, dict) else {}
 
 
-def take_stacks_request(run: Storage) -> dict[str, Any]:
-    """Read and remove the stacks request."""
-    data = read_stacks_request(run) or {}
-    run.rm(STACKS_FILE)
+def take_request(run: Storage, path: str) -> dict[str, Any]:
+    """Read and remove a request."""
+    data = read_request(run, path) or {}
+    run.rm(path)
     return data
+
+
+def _write_request(run: Storage, path: str, fields: dict[str, Any]) -> str:
+    req_id = uuid.uuid4().hex[:12]
+    body = {"id": req_id, "by": f"{_user()}@{socket.gethostname()}", "requested_at": time.time(), **fields}
+    run.write_atomic(path, json.dumps(body).encode())
+    return req_id
 
 
 def _user() -> str:

@@ -30,6 +30,7 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
@@ -41,15 +42,17 @@ from cluster import stacks as stack_dump
 from cluster.checkpoint import CheckpointInfo, CheckpointStore, CommitRecord, step_dir
 from cluster.config import JobConfig
 from cluster.control import (
+    ANSWERED,
+    PROFILE_FILE,
     STACKS_FILE,
     STOP_FILE,
     STOP_POLL_S,
     StopRequest,
     clear_stop_request,
     pending,
-    read_stacks_request,
+    read_request,
     read_stop_request,
-    take_stacks_request,
+    take_request,
 )
 from cluster.errors import (
     CheckpointError,
@@ -65,6 +68,7 @@ from cluster.metrics import EventLog, ProgressDisplay, write_metrics
 from cluster.peer import PeerPlan, plan_recovery
 from cluster.policy import Decision, FailurePolicy, HangWatch, SlowRank, SlowRankWatch
 from cluster.preemption import DrainNotice, Move
+from cluster.profiling import MAX_STEPS as MAX_PROFILE_STEPS
 from cluster.states import (
     Failed,
     Finished,
@@ -252,10 +256,11 @@ class Driver:
                 time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stale.requested_at)),
             )
             clear_stop_request(self.storage)
-        asked = read_stacks_request(self.storage)
-        if asked is not None and float(asked.get("requested_at", 0)) <= self._started_at:
-            logger.warning("removing a stacks request from before this job started: no job was running then")
-            take_stacks_request(self.storage)
+        for path in ANSWERED:  # asked while no job trained the run: nothing answered them then
+            asked = read_request(self.storage, path)
+            if asked is not None and float(asked.get("requested_at", 0)) <= self._started_at:
+                logger.warning("removing %s, from before this job started: no job was running then", path)
+                take_request(self.storage, path)
         if previous is not None:
             _check_compatible(previous.get("config", {}), self.cfg)
             self._evaluated = {
@@ -891,14 +896,41 @@ class Driver:
                 if req is not None:
                     self.request_stop(req.reason)
             if STACKS_FILE in found:
-                asked = take_stacks_request(self._control)
+                asked = take_request(self._control, STACKS_FILE)
                 by = asked.get("by", "python -m cluster stacks")
                 step = max(self.global_step, self._seen_step)
                 self._dump_stacks(f"asked for by {by}", "request", step, asked.get("id"))
+            if PROFILE_FILE in found:
+                self._start_profile(take_request(self._control, PROFILE_FILE))
         except StorageError as exc:  # storage down: the next poll tries again; training goes on
             if not self._control_error_logged:
                 logger.warning("could not read the run's control requests: %s", exc)
                 self._control_error_logged = True
+
+    def _start_profile(self, asked: dict[str, Any]) -> None:
+        """Hand a profile request to the ranks it names (``cluster.profiling``); they write the files."""
+        assert self.group is not None
+        req_id = str(asked.get("id") or uuid.uuid4().hex[:12])
+        steps = min(max(int(asked.get("steps") or 5), 1), MAX_PROFILE_STEPS)
+        wanted = asked.get("ranks")
+        ranks = sorted({int(r) for r in wanted if 0 <= int(r) < self.world_size}) if wanted else []
+        ranks = ranks or list(range(self.world_size))
+        folder = f"profiles/{time.strftime('%Y%m%d-%H%M%S')}-{req_id}"
+        self.group.profile(req_id, steps, ranks, folder)
+        self.events.append(
+            "profile_requested",
+            request=req_id,
+            by=asked.get("by"),
+            ranks=ranks,
+            steps=steps,
+            folder=folder,
+            step=max(self.global_step, self._seen_step),
+            attempt=self.attempt,
+        )
+        self._print(
+            f"[{self.cfg.name}] profiling {steps} step(s) on ranks {stack_dump.ranges(ranks)} "
+            f"(asked for by {asked.get('by', '?')}): {self.storage.url(folder)}"
+        )
 
     def _dump_stacks(self, reason: str, kind: str, step: int | None, request: str | None = None) -> None:
         """Every rank's thread stacks to ``diagnostics/`` (the full report), a ``stacks`` event (where each

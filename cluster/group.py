@@ -72,6 +72,10 @@ class WorkerGroup(Protocol):
         """Flush rank 0's checkpoint in flight; the commits not yet reported."""
         ...
 
+    def profile(self, req_id: str, steps: int, ranks: list[int], folder: str) -> None:
+        """Ask ``ranks`` to profile their next ``steps`` training steps into ``<run>/<folder>/``."""
+        ...
+
     def stacks(self, timeout: float = 5.0) -> list[list[dict[str, Any]] | None]:
         """Each rank's thread stacks as plain data (``cluster.stacks.to_wire``); None for a rank that did
         not answer within ``timeout``."""

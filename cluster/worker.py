@@ -44,6 +44,7 @@ from cluster.evaluate import BestEval, EvalResult, eval_due, evaluate
 from cluster.pace import Pace, StepPace
 from cluster.peer import PeerPlan, PeerState, Transfer, broadcast_state, state_digest
 from cluster.process import set_niceness, tune_process
+from cluster.profiling import ProfileRequest, StepProfiler
 from cluster.storage import PROBE_ENV, Storage, check_probe
 from cluster.task import StepInfo, Task, build_task, extra_metrics
 
@@ -290,6 +291,7 @@ class Worker:
         self._eval_batches = 0
         self._train_ident: int | None = None
         self._grad_norm: torch.Tensor | None = None  # the last step's, when it was taken (``_train_step``)
+        self._profiler: StepProfiler | None = None  # made by the first ``profile`` request
         self._best_at: int | None = None  # the step of an evaluation that became the best: checkpoint it
         self.gpu_index = 0  # this rank's GPU among the visible ones (``use_gpus``)
         self.faults = self._faults()
@@ -811,8 +813,12 @@ class Worker:
             self.task.current = StepInfo(
                 epoch, self.global_step + 1, self.rank, self.world_size, self.attempt
             )
+            if self._profiler is not None:
+                self._profiler.before_step(s.device)
             loss, metrics = self._train_step(s, local_idx)
             self.global_step += 1
+            if self._profiler is not None:
+                self._profiler.after_step(self.global_step)
             self.step_in_epoch += 1
             steps += 1
             samples += tcfg.global_batch_size
@@ -1151,8 +1157,18 @@ class Worker:
             except IndexError:
                 return out
 
+    def profile(self, req_id: str, steps: int, folder: str) -> None:
+        """Record the next ``steps`` training steps with ``torch.profiler`` into ``<run>/<folder>/``
+        (``cluster.profiling``); served by the actor's second thread, started by the training thread."""
+        if self._profiler is None:
+            self._profiler = StepProfiler(Storage(self.run_url, self.cfg.storage.options), self.rank)
+        self._profiler.request(ProfileRequest(req_id, steps, folder))
+
     def finish(self) -> list[CommitRecord]:
-        """Flush the checkpoint in flight; return the commit records not yet reported."""
+        """Flush the checkpoint in flight (and a profile cut short by the run's end); return the commit
+        records not yet reported."""
+        if self._profiler is not None:
+            self._profiler.close(self.global_step)
         writer = self.session.writer if self.session is not None else None
         if writer is None:
             return []

@@ -91,6 +91,9 @@ class _WorkerActor:
     def stacks(self) -> list[dict[str, Any]]:
         return self.worker.stacks()
 
+    def profile(self, req_id: str, steps: int, folder: str) -> None:
+        self.worker.profile(req_id, steps, folder)
+
     def finish(self) -> list[CommitRecord]:
         return self.worker.finish()
 
@@ -458,6 +461,14 @@ class RayWorkerGroup:
     def finish(self) -> list[CommitRecord]:
         return list(self._get([self.actors[0].finish.remote()], self.cfg.failures.process_group_timeout_s)[0])
 
+    def profile(self, req_id: str, steps: int, ranks: list[int], folder: str) -> None:
+        """Ask ``ranks`` to profile their next ``steps`` steps into ``<run>/<folder>/`` (returns once they
+        have the request; the files follow)."""
+        self._get(
+            [self.actors[r].profile.remote(req_id, steps, folder) for r in ranks],
+            self.cfg.failures.process_group_timeout_s,
+        )
+
     def stacks(self, timeout: float = 5.0) -> list[list[dict[str, Any]] | None]:
         """Each rank's thread stacks (``Worker.stacks``, plain data); None for a rank that did not answer
         within ``timeout`` (its process holds the GIL, is gone, or its second thread is busy)."""
@@ -780,6 +791,7 @@ _TRAINING_MODULES = (
     "peer.py",
     "preemption.py",
     "process.py",
+    "profiling.py",
     "stacks.py",
     "storage.py",
     "task.py",

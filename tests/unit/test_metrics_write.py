@@ -23,6 +23,7 @@ def _row(i: int, **over: object) -> dict[str, object]:
         "step_in_epoch": i % 3,
         "loss": 2.0 / (i + 1),
         "lr": 1e-3,
+        "grad_norm": 0.5 + i,
         "step_time_s": 0.05,
         "samples_per_s": 1280.0,
         "checkpoint_stall_s": 0.0,
@@ -37,7 +38,7 @@ def _row(i: int, **over: object) -> dict[str, object]:
 def test_rows_round_trip_with_nulls_nan_and_text(tmp_path) -> None:
     rows = [_row(i) for i in range(11)]  # more than 8 rows: the null bitmap spans two bytes
     rows[3] = _row(3, lr=None, loss=float("nan"))  # an epoch without a scheduler; a diverged loss
-    rows[5] = _row(5, kind="eval", lr=None, checkpoint_stall_s=None, eval_samples=127)
+    rows[5] = _row(5, kind="eval", lr=None, grad_norm=None, checkpoint_stall_s=None, eval_samples=127)
     rows[9] = _row(9, kind="époch", global_step=2**40, world_size=None, attempt=-1)
     storage = Storage(str(tmp_path))
     write_metrics(storage, rows, epoch=0, attempt=0)
