@@ -69,7 +69,10 @@ class StepProfiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        prof = torch.profiler.profile(activities=activities, record_shapes=True)
+        # One step of warm-up (the profiler's own start-up stays out of the figures), then the steps asked
+        # for, each marked in the trace ("ProfilerStep#N").
+        schedule = torch.profiler.schedule(wait=0, warmup=1, active=req.steps, repeat=1)
+        prof = torch.profiler.profile(activities=activities, schedule=schedule, record_shapes=True)
         prof.__enter__()
         self._active = (req, prof, 0)
 
@@ -80,7 +83,7 @@ class StepProfiler:
         prof.step()
         done += 1
         self._active = (req, prof, done)
-        if done >= req.steps:
+        if done > req.steps:  # the warm-up step, then the recorded ones
             self._finish(step)
 
     def close(self, step: int) -> None:
@@ -94,6 +97,7 @@ class StepProfiler:
         req, prof, done = self._active
         self._active = None
         prof.__exit__(None, None, None)
+        done = max(0, done - 1)  # recorded: all but the warm-up step
         t = threading.Thread(
             target=self._write, args=(req, prof, done, step), name="profile-upload", daemon=True
         )
@@ -106,7 +110,10 @@ class StepProfiler:
                 "self_cuda_time_total" if any(e.device_type.name == "CUDA" for e in prof.events()) else None
             )
             table = prof.key_averages().table(sort_by=sort or "self_cpu_time_total", row_limit=30)
-            head = f"rank {self.rank}: {done} step(s) recorded, ending at global step {step}\n\n"
+            head = (
+                f"rank {self.rank}: {done} step(s) recorded, up to global step {step}, after one warm-up step"
+            )
+            head += "\n\n"
             with tempfile.TemporaryDirectory(prefix="cluster-profile-") as tmp:
                 path = os.path.join(tmp, "trace.json")
                 prof.export_chrome_trace(path)

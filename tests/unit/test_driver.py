@@ -166,6 +166,9 @@ class ScriptedGroup:
         self.calls.append("finish")
         return []
 
+    def profile(self, req_id: str, steps: int, ranks: list[int], folder: str) -> None:
+        self.calls.append(f"profile({req_id}, {steps}, {ranks})")
+
     def stacks(self, timeout: float = 5.0) -> list[list[dict[str, Any]] | None]:
         """Rank 1 stands in user code, the others in an all-reduce waiting for it; rank 2 gives no answer."""
         waiting = [
@@ -904,3 +907,36 @@ def test_signals_stop_cleanly_once_then_at_once_and_the_old_handlers_come_back()
         with pytest.raises(KeyboardInterrupt, match="SIGINT again"):
             signal.raise_signal(signal.SIGINT)
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_profile_asked_for_reaches_the_named_ranks_and_is_recorded() -> None:
+    from cluster.control import PROFILE_FILE, write_profile_request
+
+    driver, _ = make({0: ["busy", "busy"]})
+    req = write_profile_request(driver.storage, steps=500, ranks=[1, 7])  # 7: no such rank; 500: too many
+    driver._started_at = 0.0
+    assert driver.run().status == "finished"
+    (asked,) = [e for e in driver.events.records() if e["event"] == "profile_requested"]
+    assert asked["request"] == req and asked["ranks"] == [1] and asked["steps"] == 100
+    assert asked["folder"].startswith("profiles/") and asked["folder"].endswith(req)
+    assert f"profile({req}, 100, [1])" in ScriptedGroup.instances[0].calls
+    assert not driver.storage.exists(PROFILE_FILE)
+
+    driver, _ = make({0: ["busy"]})
+    write_profile_request(driver.storage, steps=3, ranks=None)  # every rank
+    driver._started_at = 0.0
+    driver.run()
+    (asked,) = [e for e in driver.events.records() if e["event"] == "profile_requested"]
+    assert asked["ranks"] == [0, 1] and asked["steps"] == 3
+
+
+def test_requests_left_from_before_the_job_are_removed_unanswered() -> None:
+    from cluster.control import PROFILE_FILE, STACKS_FILE, write_profile_request, write_stacks_request
+
+    driver, _ = make({0: ["busy"]})
+    write_profile_request(driver.storage, 3, None)
+    write_stacks_request(driver.storage)
+    driver._started_at = time.time() + 1
+    assert driver.run().status == "finished"
+    assert not driver.storage.exists(PROFILE_FILE) and not driver.storage.exists(STACKS_FILE)
+    assert not {"stacks", "profile_requested"} & set(kinds(driver))

@@ -1,9 +1,11 @@
 """Asking a running job, on a real local Ray: `python -m cluster stop` (a file in the run's storage) and
 Ctrl-C (SIGINT to the driver) each stop every rank at a step with a checkpoint there, and the run resumed
-twice ends bitwise where an uninterrupted run ends; `python -m cluster stacks` says where every rank is."""
+twice ends bitwise where an uninterrupted run ends; `python -m cluster stacks` says where every rank is;
+`python -m cluster profile` records steps of every rank with torch.profiler and changes no number."""
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import os
@@ -96,12 +98,17 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_stopped_by_the_cli_then_by_ctrl_c_then_resumed_ends_bitwise_as_an_uninterrupted_run(
-    ray_local: None, tmp_path: Any
-) -> None:
-    reference = train(config(str(tmp_path), "reference"), out=io.StringIO())
-    assert reference.status == "finished"
+@pytest.fixture(scope="module")
+def reference(ray_local: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The final weights of the job run once, uninterrupted and unobserved."""
+    result = train(config(str(tmp_path_factory.mktemp("reference")), "reference"), out=io.StringIO())
+    assert result.status == "finished"
+    return final_weights(result.run_url)
 
+
+def test_stopped_by_the_cli_then_by_ctrl_c_then_resumed_ends_bitwise_as_an_uninterrupted_run(
+    reference: dict[str, torch.Tensor], tmp_path: Any
+) -> None:
     slow = "task_args.step_sleep_s=0.25"  # time to act mid-run; sleeping changes no number
     cfg = config(str(tmp_path), "stopped", slow)
     run_url = f"{tmp_path}/stopped"
@@ -170,4 +177,37 @@ def test_stopped_by_the_cli_then_by_ctrl_c_then_resumed_ends_bitwise_as_an_unint
     assert third.status == "finished" and third.global_step == EPOCHS * STEPS
     starts = [e for e in events(run_url) if e["event"] == "group_started"]
     assert starts[-1]["resume_step"] == second.global_step
-    assert_bitwise_equal(final_weights(reference.run_url), final_weights(run_url))
+    assert_bitwise_equal(reference, final_weights(run_url))
+
+
+def test_profiling_a_running_job_writes_every_ranks_trace_and_changes_no_number(
+    reference: dict[str, torch.Tensor], tmp_path: Any
+) -> None:
+    cfg = config(str(tmp_path), "profiled", "task_args.step_sleep_s=0.1")
+    run_url = f"{tmp_path}/profiled"
+    got: dict[str, subprocess.CompletedProcess[str]] = {}
+    when_training(
+        run_url, 0, lambda: got.setdefault("out", cli("profile", run_url, "--steps", "3", "--wait", "90"))
+    )
+    result = train(cfg, out=io.StringIO())
+    assert result.status == "finished"
+    deadline = time.monotonic() + 60
+    while "out" not in got:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    out = got["out"]
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("rank 0: 3 step(s) recorded") and "Self CPU" in out.stdout
+    (asked,) = [e for e in events(run_url) if e["event"] == "profile_requested"]
+    assert asked["ranks"] == [0, 1] and asked["steps"] == 3
+    for rank in (0, 1):
+        assert f"{run_url}/{asked['folder']}/rank{rank}.pt.trace.json.gz" in out.stdout
+        with open(f"{run_url}/{asked['folder']}/rank{rank}.pt.trace.json.gz", "rb") as fh:
+            trace = json.loads(gzip.decompress(fh.read()))
+        steps = {
+            e["name"] for e in trace["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")
+        }
+        assert len(steps) == 3, steps
+        names = {str(e.get("name", "")) for e in trace["traceEvents"]}
+        assert any("allreduce" in n.lower() or "all_reduce" in n.lower() for n in names)  # DDP's gradients
+    assert_bitwise_equal(reference, final_weights(run_url))  # observing it changed nothing
