@@ -99,6 +99,16 @@ class TrainingConfig:
     """Processes per worker preparing batches ahead (dataset must pickle); 0: none."""
     prefetch: int = 2
     """Batches each loader keeps ready."""
+    init_from: str | None = None
+    """Start a new run from another run's weights (fine-tuning): that run's URL, or one of its checkpoint
+    folders. Only the model's weights: optimizer, step and data order start fresh. Ignored once this run
+    has a checkpoint of its own (a resume)."""
+    init_from_step: int | Literal["best"] | None = None
+    """Which checkpoint of ``init_from``: a step, ``best`` (its ``checkpoint.best_metric``'s), or ``null``
+    for its latest verified one."""
+    init_strict: bool = True
+    """Every weight of the model must come from ``init_from``, shapes equal. ``false``: load the weights
+    whose names and shapes match, keep the model's own init for the rest (a new head), and report both."""
 
 
 @dataclass
@@ -475,6 +485,19 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"training.epochs={t.epochs} must be at least 1")
     if t.grad_accum_steps < 1:
         raise ConfigError(f"training.grad_accum_steps={t.grad_accum_steps} must be at least 1")
+    if t.init_from is not None:
+        problem = url_problem(t.init_from, "training.init_from")
+        if problem is not None:
+            raise ConfigError(problem)
+    elif t.init_from_step is not None:
+        raise ConfigError(
+            f"training.init_from_step={t.init_from_step!r} needs training.init_from: the run (or checkpoint "
+            "folder) whose weights to start from"
+        )
+    if isinstance(t.init_from_step, int) and t.init_from_step < 0:
+        raise ConfigError(
+            f"training.init_from_step={t.init_from_step} must be a step (0 or more), best or null"
+        )
     if t.global_batch_size < 1:
         raise ConfigError(f"training.global_batch_size={t.global_batch_size} must be at least 1")
     per_step = s.num_workers * t.grad_accum_steps

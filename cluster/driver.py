@@ -399,9 +399,13 @@ class Driver:
             self._print(f"continuing with {n}/{target} workers (scaling.min_workers={minimum})")
         try:
             infos = group.start(n, s.peers)
-        except (ConfigError, StorageError):
+        except (ConfigError, StorageError) as exc:
             # e.g. workers import other code than the driver, or cannot see its storage (after the retry
-            # budget): retrying cannot help
+            # budget): retrying cannot help. Raised in a worker, Ray wraps it with its traceback: the
+            # user gets the error itself.
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, ConfigError | StorageError):
+                raise cause from None
             raise
         except Exception as exc:
             failure = (
@@ -431,6 +435,7 @@ class Driver:
             resume_checkpoint=r.checkpoint_url,
             resume_world_size=r.world_size,
             resume_source=r.source,
+            init_from=r.init_from,
             pids=[i.pid for i in infos],
             nodes=[i.node_id for i in infos],
             hosts=sorted({i.hostname for i in infos}),
@@ -458,6 +463,15 @@ class Driver:
         )
         if r.source == "peers":
             where += f", state from rank {r.peer_source}'s memory"
+        if r.init_from is not None:
+            kept = r.init_from["kept_init"]
+            where += f", with the weights of {r.init_from['url']}" + (
+                f" ({len(kept)} tensors keep their own init: {', '.join(kept[:5])}"
+                + (" ..." if len(kept) > 5 else "")
+                + ")"
+                if kept
+                else ""
+            )
         self._print(
             f"[{cfg.name}] attempt {self.attempt}: {n} workers ({head.backend}) ready in "
             f"{t_ready - t0:.1f}s, starting {where}"
@@ -1426,6 +1440,12 @@ def preflight(cfg: JobConfig) -> None:
     from cluster.task import load_task_class
 
     load_task_class(cfg.task)  # an unknown task is a config error, found before anything starts
+    if cfg.training.init_from is not None:
+        from cluster.load import check_init_from
+
+        run = Storage(join(normalize_url(cfg.storage.url), cfg.name), cfg.storage.options)
+        if not CheckpointStore(run).list():  # a run that resumes from its own checkpoint ignores init_from
+            check_init_from(cfg.training.init_from, cfg.training.init_from_step, cfg.storage.options)
     if cfg.storage.url.strip().lower().startswith("memory://"):
         raise ConfigError(
             f"storage.url={cfg.storage.url!r}: memory:// lives inside one process, and the workers are Ray "

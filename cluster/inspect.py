@@ -479,6 +479,7 @@ def report(storage: Storage, verify_all: bool = False) -> RunReport:
         "early_stopped",
         "stopped",
         "stacks",
+        "profile_requested",
     )
     table = read_metrics(storage)
     metric_rows = table.to_pylist()

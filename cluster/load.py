@@ -20,7 +20,7 @@ from typing import Any, Literal
 from torch import nn
 
 from cluster.checkpoint import CKPT_DIR, CheckpointStore, best_of, deserialize, score_of
-from cluster.errors import CheckpointError, ConfigError
+from cluster.errors import CheckpointError, ConfigError, StorageError
 from cluster.evaluate import EvalResult
 from cluster.storage import Storage, url_problem
 
@@ -125,6 +125,80 @@ def load_checkpoint(
         manifest=info.manifest,
         skipped=skipped,
     )
+
+
+def check_init_from(url: str, step: int | Literal["best"] | None, options: dict[str, Any] | None) -> int:
+    """Before anything starts: the checkpoint ``training.init_from`` (and ``init_from_step``) names exists
+    (its manifest; the files are verified by the ranks that load them). Returns its step; ConfigError
+    naming what is there otherwise."""
+    key = f"training.init_from={url!r}"
+    try:
+        storage, named = _open(url, options)
+        infos = CheckpointStore(storage).list()
+    except (CheckpointError, StorageError) as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+    if named is not None and step is not None:
+        raise ConfigError(
+            f"{key} names one checkpoint folder, and training.init_from_step={step!r} another choice: "
+            "give the run's URL with init_from_step, or the folder alone"
+        )
+    have = [i.step for i in infos]
+    if not infos:
+        raise ConfigError(f"{key}: the run has no committed checkpoint to start from")
+    if step == "best":
+        best = best_of(infos)
+        if best is None:
+            raise ConfigError(
+                f"{key} with training.init_from_step=best: none of its {len(infos)} checkpoints carries an "
+                "evaluation score (it trained without checkpoint.best_metric); give a step or null (latest)"
+            )
+        return best.step
+    wanted = named if named is not None else step
+    if wanted is None:
+        return have[-1]
+    if wanted not in have:
+        raise ConfigError(f"{key}: no committed checkpoint at step {wanted}; its steps: {have}")
+    return int(wanted)
+
+
+def init_weights(model: nn.Module, weights: dict[str, Any], strict: bool, source: str) -> dict[str, Any]:
+    """Load ``weights`` into ``model`` for ``training.init_from``: all of them, names and shapes equal
+    (``strict``), or those that match (the rest keep the model's own init). ConfigError names what does
+    not fit. Returns what was loaded and what was not, for the run's record."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in weights]
+    unexpected = [k for k in weights if k not in own]
+    mismatched = [
+        f"{k} {tuple(weights[k].shape)} -> {tuple(own[k].shape)}"
+        for k in own
+        if k in weights and tuple(weights[k].shape) != tuple(own[k].shape)
+    ]
+    fits = [k for k in own if k in weights and tuple(weights[k].shape) == tuple(own[k].shape)]
+
+    def some(names: list[str]) -> str:
+        return ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
+
+    problems = []
+    if missing:
+        problems.append(f"missing from the checkpoint: {some(missing)}")
+    if unexpected:
+        problems.append(f"not in this model: {some(unexpected)}")
+    if mismatched:
+        problems.append(f"other shapes: {some(mismatched)}")
+    if (strict and problems) or not fits:
+        raise ConfigError(
+            f"training.init_from: the weights of {source} do not fit this task's model ("
+            + "; ".join(problems)
+            + "). "
+            + (
+                "Set training.init_strict=false to load the ones that fit and keep the model's own init "
+                "for the rest (a new head)"
+                if fits
+                else "Nothing matches: is it a checkpoint of this kind of model?"
+            )
+        )
+    model.load_state_dict({k: weights[k] for k in fits}, strict=not problems)
+    return {"loaded": len(fits), "kept_init": missing + [m.split(" ", 1)[0] for m in mismatched]}
 
 
 def load_model(

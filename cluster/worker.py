@@ -39,7 +39,7 @@ from cluster import stacks as stack_dump
 from cluster.checkpoint import CheckpointStore, CheckpointWriter, CommitRecord, step_dir
 from cluster.config import FaultSpec, JobConfig, parse_fault_env
 from cluster.data import LEGACY_ORDER, ORDERS, TORCH_ORDER, InputPipeline, ResumableDistributedSampler
-from cluster.errors import CheckpointError, ConfigError, DivergedError, WorkerError
+from cluster.errors import CheckpointError, ConfigError, DivergedError, StorageError, WorkerError
 from cluster.evaluate import BestEval, EvalResult, eval_due, evaluate
 from cluster.pace import Pace, StepPace
 from cluster.peer import PeerPlan, PeerState, Transfer, broadcast_state, state_digest
@@ -142,6 +142,9 @@ class ResumePoint:
     """Bytes of state this rank received (from storage or from a peer); 0 for the peer that sent it."""
     transfer_s: float = 0.0
     """Seconds the state took to arrive (checkpoint read and load, or the broadcast from the peer)."""
+    init_from: dict[str, Any] | None = None
+    """A fresh start's weights from another run (``training.init_from``): its checkpoint's ``url`` and
+    ``step``, how many tensors were ``loaded``, and the names that ``kept_init`` (``init_strict=false``)."""
 
 
 @dataclass
@@ -688,7 +691,8 @@ class Worker:
         if step is None:
             self.sampler_order = TORCH_ORDER
             self._best.state = None
-            return ResumePoint(0, 0, 0, None), skipped
+            init = self._init_from(raw_model) if self.cfg.training.init_from else None
+            return ResumePoint(0, 0, 0, None, init_from=init, transfer_s=time.perf_counter() - t0), skipped
         if files is None:
             files = store.load_step(step)
         url = store.storage.url(step_dir(step))
@@ -716,6 +720,27 @@ class Worker:
             nbytes=int(nbytes),
             transfer_s=time.perf_counter() - t0,
         ), skipped
+
+    def _init_from(self, raw_model: nn.Module) -> dict[str, Any]:
+        """A new run's weights from another run's checkpoint (``training.init_from``): rank 0 picks the
+        checkpoint, every rank loads that one (checksums verified) into its model. Every rank raises the
+        same error when it cannot be used."""
+        from cluster.load import init_weights, load_checkpoint
+
+        t, options = self.cfg.training, self.cfg.storage.options
+        choice: list[Any] = [None, None]
+        if self.rank == 0:
+            try:
+                choice = [load_checkpoint(t.init_from, t.init_from_step, options).url, None]  # type: ignore[arg-type]
+            except (CheckpointError, ConfigError, StorageError) as exc:
+                choice = [None, f"training.init_from={t.init_from!r}: {exc}"]
+        dist.broadcast_object_list(choice, src=0)
+        url, error = choice
+        if error is not None:
+            raise ConfigError(error)
+        ckpt = load_checkpoint(url, None, options)
+        report = init_weights(raw_model, ckpt.model, t.init_strict, url)
+        return {"url": url, "step": ckpt.step, **report}
 
     def _session(self) -> TrainSession:
         if self.session is None:

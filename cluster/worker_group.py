@@ -786,6 +786,7 @@ _TRAINING_MODULES = (
     "errors.py",
     "evaluate.py",
     "group.py",
+    "load.py",
     "pace.py",
     "parquet.py",
     "peer.py",

@@ -94,3 +94,47 @@ def test_clear_errors(tmp_path: pathlib.Path) -> None:
         load_checkpoint(run)
     with pytest.raises(ConfigError, match="'s3:' must be followed by '//'"):
         load_checkpoint("s3:/bucket/runs/r1")
+
+
+# ------------------------------------------------------------------ training.init_from
+def test_init_from_is_checked_before_anything_starts(tmp_path: pathlib.Path) -> None:
+    from cluster.load import check_init_from
+
+    run, _ = make_run(tmp_path, [10, 20, 30])
+    assert check_init_from(run, None, None) == 30  # the latest
+    assert check_init_from(run, 20, None) == 20
+    assert check_init_from(f"{run}/checkpoints/step_000000010", None, None) == 10  # a checkpoint folder
+    with pytest.raises(ConfigError, match=r"no committed checkpoint at step 25; its steps: \[10, 20, 30\]"):
+        check_init_from(run, 25, None)
+    with pytest.raises(ConfigError, match="none of its 3 checkpoints carries an evaluation score"):
+        check_init_from(run, "best", None)
+    with pytest.raises(ConfigError, match=r"names one checkpoint folder, and training\.init_from_step=20"):
+        check_init_from(f"{run}/checkpoints/step_000000010", 20, None)
+    with pytest.raises(ConfigError, match=r"training.init_from='.*nowhere'.*is not a run"):
+        check_init_from(str(tmp_path / "nowhere"), None, None)
+
+
+def test_init_weights_load_all_or_name_what_does_not_fit() -> None:
+    from cluster.load import init_weights
+
+    torch.manual_seed(0)
+    src = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    same = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    report = init_weights(same, src.state_dict(), strict=True, source="s")
+    assert report == {"loaded": 4, "kept_init": []}
+    assert all(torch.equal(a, b) for a, b in zip(same.state_dict().values(), src.state_dict().values()))
+
+    new_head = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 5))  # 5 classes
+    before = {k: v.clone() for k, v in new_head.state_dict().items()}
+    with pytest.raises(ConfigError, match=r"other shapes: 2.weight \(2, 8\) -> \(5, 8\).*init_strict=false"):
+        init_weights(new_head, src.state_dict(), strict=True, source="s")
+    assert all(torch.equal(v, before[k]) for k, v in new_head.state_dict().items())  # untouched
+    report = init_weights(new_head, src.state_dict(), strict=False, source="s")
+    assert report == {"loaded": 2, "kept_init": ["2.weight", "2.bias"]}
+    assert torch.equal(new_head[0].weight, src[0].weight) and torch.equal(
+        new_head[2].weight, before["2.weight"]
+    )
+
+    other = torch.nn.Linear(3, 3)
+    with pytest.raises(ConfigError, match="Nothing matches"):
+        init_weights(other, src.state_dict(), strict=False, source="s")
