@@ -230,9 +230,9 @@ def _stop(args: argparse.Namespace, options: dict[str, Any]) -> int:
     from cluster.control import write_stop_request
 
     storage = inspect.open_run(args.url, args.name, options)
-    status = inspect.run_status(inspect.read_events(storage))
-    if status != inspect.UNFINISHED:
-        return _error(f"error: {storage.root} is {status}: no job is training it, nothing to stop", 2)
+    problem = _no_job(storage)
+    if problem is not None:
+        return _error(f"error: {problem}, nothing to stop", 2)
     req = write_stop_request(storage, args.reason)
     print(f"asked {storage.root} to stop ({req.reason}); its driver looks every few seconds")
     deadline = time.time() + args.wait
@@ -263,9 +263,9 @@ def _stacks(args: argparse.Namespace, options: dict[str, Any]) -> int:
     from cluster.control import write_stacks_request
 
     storage = inspect.open_run(args.url, args.name, options)
-    status = inspect.run_status(inspect.read_events(storage))
-    if status != inspect.UNFINISHED:
-        return _error(f"error: {storage.root} is {status}: no job is training it", 2)
+    problem = _no_job(storage)
+    if problem is not None:
+        return _error(f"error: {problem}", 2)
     req_id = write_stacks_request(storage)
     deadline = time.time() + args.wait
     while True:
@@ -304,9 +304,9 @@ def _profile(args: argparse.Namespace, options: dict[str, Any]) -> int:
     except ValueError:
         return _error(f"error: --ranks {args.ranks!r} must list rank numbers, e.g. 0,3", 2)
     storage = inspect.open_run(args.url, args.name, options)
-    status = inspect.run_status(inspect.read_events(storage))
-    if status != inspect.UNFINISHED:
-        return _error(f"error: {storage.root} is {status}: no job is training it", 2)
+    problem = _no_job(storage)
+    if problem is not None:
+        return _error(f"error: {problem}", 2)
     req_id = write_profile_request(storage, args.steps, ranks)
     deadline = time.time() + args.wait
     started: dict[str, Any] | None = None
@@ -331,6 +331,22 @@ def _profile(args: argparse.Namespace, options: dict[str, Any]) -> int:
             what = "no job took the request" if started is None else "the ranks did not write every profile"
             return _error(f"{what} within {args.wait:g}s (is a job training it, and still stepping?)", 1)
         time.sleep(0.5)
+
+
+def _no_job(storage: Any) -> str | None:
+    """Why no job can answer a request to this run (it ended, or its driver is gone); None when one can."""
+    from cluster.control import driver_seen
+
+    status = inspect.live_status(storage, inspect.read_events(storage))
+    if status == inspect.INTERRUPTED:
+        seen = driver_seen(storage) or {}
+        return (
+            f"{storage.root} is interrupted: its driver ({seen.get('host')}, pid {seen.get('pid')}) was last "
+            f"heard of {seen.get('age_s', 0):.0f}s ago; no job is training it"
+        )
+    if status not in (inspect.RUNNING, inspect.UNFINISHED):
+        return f"{storage.root} is {status}: no job is training it"
+    return None
 
 
 def _error(text: str, code: int) -> int:

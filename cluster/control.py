@@ -21,7 +21,9 @@ from __future__ import annotations
 import getpass
 import json
 import logging
+import os
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -47,6 +49,74 @@ class StopRequest:
     reason: str
     """Who asked and how: ``SIGTERM``, ``SIGINT``, or ``python -m cluster stop by user@host``."""
     requested_at: float
+
+
+DRIVER_FILE = "driver.json"
+DRIVER_BEAT_S = 30.0
+"""The driver rewrites ``driver.json`` (host, pid, state, step, time) this often while it runs, from a
+thread of its own, whatever its main loop is doing. ``list`` and ``show`` tell a running job from one
+whose driver is gone by its age."""
+DRIVER_GONE_S = 3 * DRIVER_BEAT_S + 30.0
+"""A driver not heard of for this long is gone (three missed beats, and a slow write's margin)."""
+
+
+class DriverBeat:
+    """The driver's presence in storage: ``start`` writes ``driver.json`` at once and every
+    ``DRIVER_BEAT_S`` after; ``stop`` writes it a last time with ``ended`` set. ``snapshot`` is called on
+    the beat's thread and returns the fields to write (state, step): plain reads of the driver."""
+
+    def __init__(self, run: Storage, snapshot: Any, every_s: float = DRIVER_BEAT_S) -> None:
+        self.run = run
+        self.snapshot = snapshot
+        self.every_s = every_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._logged = False
+        self.started = time.time()
+
+    def start(self) -> None:
+        self._write(ended=False)
+        self._thread = threading.Thread(target=self._loop, name="cluster-driver-beat", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        self._write(ended=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._write(ended=False)
+
+    def _write(self, ended: bool) -> None:
+        body = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": self.started,
+            "time": time.time(),
+            "every_s": self.every_s,
+            "ended": ended,
+            **self.snapshot(),
+        }
+        try:
+            self.run.write_atomic(DRIVER_FILE, json.dumps(body).encode())
+        except Exception as exc:  # storage down: the next beat tries again; training goes on
+            if not self._logged:
+                logger.warning("could not write %s: %s: %s", DRIVER_FILE, type(exc).__name__, exc)
+                self._logged = True
+
+
+def driver_seen(run: Storage) -> dict[str, Any] | None:
+    """What the run's driver last wrote (``DriverBeat``), with ``age_s``; None for runs from before it or
+    when it cannot be read."""
+    try:
+        data = json.loads(run.read_bytes(DRIVER_FILE))
+    except (FileNotFoundError, ValueError):
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("time"), (int, float)):
+        return None
+    return {**data, "age_s": max(0.0, time.time() - float(data["time"]))}
 
 
 def request_stop(

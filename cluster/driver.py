@@ -47,6 +47,7 @@ from cluster.control import (
     STACKS_FILE,
     STOP_FILE,
     STOP_POLL_S,
+    DriverBeat,
     StopRequest,
     clear_stop_request,
     pending,
@@ -207,6 +208,8 @@ class Driver:
     def run(self) -> Result:
         self._prepare_storage()
         self.events.append("run_start", attempt=self.attempt, config=self.cfg.to_dict())
+        beat = DriverBeat(self._control, self._beat_fields)  # `list`/`show` see that a driver is alive
+        beat.start()
         try:
             self._transition(self._initial_state())
             while not self.state.is_terminal:
@@ -216,10 +219,19 @@ class Driver:
                 self.group.shutdown(graceful=isinstance(self.state, Finished | Stopped))
                 self.group = None
             self._close_tracking()
+            beat.stop()
         result = self._result()
         if isinstance(self.state, Failed):
             raise self.state.error
         return result
+
+    def _beat_fields(self) -> dict[str, Any]:
+        """What ``driver.json`` says besides the driver's host and pid (read on the beat's thread)."""
+        return {
+            "state": self.state.name,
+            "global_step": max(self.global_step, self._seen_step),
+            "attempt": self.attempt,
+        }
 
     def _transition(self, new: State) -> None:
         """The only place the state changes."""

@@ -13,11 +13,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.checkpoint import CheckpointInfo, CheckpointStore, best_of, score_of
+from cluster.control import DRIVER_GONE_S, driver_seen
 from cluster.errors import CheckpointError, ClusterError, StorageError
 from cluster.metrics import read_event_log, read_metrics
 from cluster.storage import Storage, join, normalize_url
 
 FINISHED, FAILED, UNFINISHED = "finished", "failed", "running/interrupted"
+RUNNING, INTERRUPTED = "running", "interrupted"
+"""Unfinished, told apart by the driver's ``driver.json`` (``cluster.control.DriverBeat``): written within
+``DRIVER_GONE_S``, or not. Runs from before it stay ``running/interrupted``."""
 STOPPED = "stopped"
 """Stopped on request (Ctrl-C, ``ray job stop``, ``python -m cluster stop``) with a checkpoint: resumable."""
 
@@ -104,6 +108,8 @@ class RunReport:
     slow_ranks: list[SlowRankRecord] = field(default_factory=list)
     evaluations: list[dict[str, Any]] = field(default_factory=list)
     """The ``eval`` metric rows, one per evaluated step, in step order."""
+    driver: dict[str, Any] | None = None
+    """What the run's driver last wrote to ``driver.json`` (host, pid, state, step, ``age_s``)."""
 
 
 @dataclass(frozen=True)
@@ -206,6 +212,17 @@ def run_status(events: list[dict[str, Any]]) -> str:
     return UNFINISHED
 
 
+def live_status(storage: Storage, events: list[dict[str, Any]]) -> str:
+    """``run_status``, with an unfinished run told ``running`` or ``interrupted`` by its driver's beat."""
+    status = run_status(events)
+    if status != UNFINISHED:
+        return status
+    seen = driver_seen(storage)
+    if seen is None:
+        return UNFINISHED
+    return RUNNING if not seen.get("ended") and seen["age_s"] < DRIVER_GONE_S else INTERRUPTED
+
+
 def count_attempts(events: list[dict[str, Any]]) -> int:
     """Worker groups started or tried: per submission (``run_start``), the highest ``attempt`` seen + 1."""
     total, highest = 0, -1
@@ -301,7 +318,7 @@ def summarize(
     return RunSummary(
         name=name,
         url=storage.root,
-        status=run_status(events),
+        status=live_status(storage, events),
         epochs_done=epochs_done,
         epochs_total=total if isinstance(total, int) else None,
         global_step=max(step, latest or 0),
@@ -496,6 +513,7 @@ def report(storage: Storage, verify_all: bool = False) -> RunReport:
         other_events=[e for e in events if e.get("event") in notable],
         checkpoints=rows,
         epochs=epochs,
+        driver=driver_seen(storage),
         latest_step=steps[-1] if steps else None,
         preemptions=preemption_records(events),
         slow_ranks=slow_rank_records(events),
@@ -566,6 +584,13 @@ def format_list(summaries: list[RunSummary]) -> str:
     return table(header, rows)
 
 
+def _driver_text(d: dict[str, Any] | None) -> str:
+    if d is None:
+        return ""
+    what = "ended" if d.get("ended") else f"{d.get('state')} at step {d.get('global_step')}"
+    return f" (driver on {d.get('host')}, pid {d.get('pid')}: {what}, heard of {d.get('age_s', 0):.0f}s ago)"
+
+
 def _when(t: Any) -> str:
     if not isinstance(t, (int, float)):
         return "-"
@@ -577,7 +602,7 @@ def format_show(r: RunReport) -> str:
     out = [
         f"run        {s.name}",
         f"url        {s.url}",
-        f"status     {s.status}",
+        f"status     {s.status}" + _driver_text(r.driver),
         f"created    {_when(r.created)}",
         f"versions   {', '.join(f'{k} {v}' for k, v in r.versions.items()) or '-'}",
         f"progress   epoch {s.epochs_done}/{_fmt(s.epochs_total)}, global step {s.global_step}, "

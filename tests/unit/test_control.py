@@ -1,0 +1,84 @@
+"""The run's control files without a job: the driver's beat (``driver.json``) and what `list`, `show` and
+the request commands make of it; stop, stacks and profile requests as files."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import pytest
+
+from cluster.__main__ import main
+from cluster.control import (
+    DRIVER_FILE,
+    DRIVER_GONE_S,
+    DriverBeat,
+    driver_seen,
+    read_stop_request,
+    write_stop_request,
+)
+from cluster.inspect import FINISHED, INTERRUPTED, RUNNING, UNFINISHED, format_show, live_status, report
+from cluster.storage import Storage
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+
+
+def ev(event: str, **fields: object) -> dict[str, object]:
+    return {"time": time.time(), "event": event, **fields}
+
+
+def make_run(tmp_path: pathlib.Path, events: list[dict[str, object]]) -> Storage:
+    run = Storage(str(tmp_path / "runs" / "r"))
+    run.write_atomic("run.json", json.dumps({"name": "r", "config": {"training": {"epochs": 2}}}).encode())
+    run.write_atomic("events/000001.jsonl", "".join(json.dumps(e) + "\n" for e in events).encode())
+    return run
+
+
+def test_the_beat_is_written_at_start_on_its_own_thread_and_marked_ended(tmp_path: pathlib.Path) -> None:
+    run = Storage(str(tmp_path))
+    state = {"state": "starting", "global_step": 0}
+    beat = DriverBeat(run, lambda: dict(state), every_s=0.05)
+    beat.start()
+    first = driver_seen(run)
+    assert first is not None and first["state"] == "starting" and first["ended"] is False
+    state.update(state="running", global_step=7)
+    deadline = time.monotonic() + 5
+    while (driver_seen(run) or {}).get("global_step") != 7:  # the thread picks the new fields up
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    beat.stop()
+    last = driver_seen(run)
+    assert last is not None and last["ended"] is True and last["state"] == "running" and last["age_s"] < 5
+
+
+def test_an_unfinished_run_is_running_or_interrupted_by_its_drivers_beat(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = make_run(tmp_path, [ev("run_start"), ev("group_started", attempt=0)])
+    events = [ev("run_start")]
+    assert live_status(run, events) == UNFINISHED  # no beat: a run from before it
+    beat = {"host": "h", "pid": 42, "state": "running", "global_step": 9, "ended": False}
+    run.write_atomic(DRIVER_FILE, json.dumps({**beat, "time": time.time()}).encode())
+    assert live_status(run, events) == RUNNING
+    assert "driver on h, pid 42: running at step 9, heard of 0s ago" in format_show(report(run))
+    run.write_atomic(DRIVER_FILE, json.dumps({**beat, "time": time.time() - DRIVER_GONE_S - 1}).encode())
+    assert live_status(run, events) == INTERRUPTED  # the driver died without a word
+    assert live_status(run, [*events, ev("finished", global_step=9)]) == FINISHED  # the events decide first
+
+    # the request commands refuse at once, naming the driver, and leave nothing behind
+    code = main(["stop", run.root])
+    assert code == 2 and read_stop_request(run) is None
+    assert "is interrupted: its driver (h, pid 42) was last heard of" in capsys.readouterr().err
+    run.write_atomic(DRIVER_FILE, json.dumps({**beat, "time": time.time(), "ended": True}).encode())
+    assert live_status(run, events) == INTERRUPTED  # ended without a terminal event: killed mid-write
+
+
+def test_requests_are_files_a_stale_one_is_recognisable(tmp_path: pathlib.Path) -> None:
+    run = Storage(str(tmp_path))
+    assert read_stop_request(run) is None
+    req = write_stop_request(run, "because")
+    got = read_stop_request(run)
+    assert got == req and got.reason == "because" and got.requested_at <= time.time()
+    run.write_atomic("control/stop.json", b"{not json")  # someone asked, in their own way
+    assert read_stop_request(run) is not None
