@@ -752,7 +752,7 @@ def format_show(r: RunReport) -> str:
         m = r.latest_step
         out.append(
             f"  latest step: global_step {m['global_step']}, loss {_fmt(m['loss'])}, lr {_fmt(m['lr'], 6)}, "
-            f"grad norm {_fmt(m.get('grad_norm'))}, "
+            f"grad norm {_fmt(m.get('grad_norm'))}, peak memory {_fmt(m.get('peak_mem_gib'), 2)} GiB, "
             f"{_fmt(m['samples_per_s'], 1)} samples/s, {_fmt(m['step_time_s'])} s/step, "
             f"world size {m['world_size']}, attempt {m['attempt']}"
         )

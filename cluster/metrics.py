@@ -13,6 +13,7 @@ Metrics schema (``metrics/steps-*.parquet``, one file per epoch and attempt; rea
 | loss | double | step: rank 0's loss on its shard; epoch: mean over all ranks and steps; eval: eval set's |
 | lr | double | learning rate of the first parameter group |
 | grad_norm | double | step: global gradient L2 norm, before ``training.grad_clip``; else null |
+| peak_mem_gib | double | step: rank 0's peak memory (GPU: allocator's since the last row; CPU: RSS) |
 | step_time_s | double | step: seconds of that step; epoch: mean seconds per step; eval: seconds it took |
 | samples_per_s | double | global samples per second (eval: eval samples per second) |
 | checkpoint_stall_s | double | seconds training was blocked by a checkpoint at that step (0 if none) |
@@ -48,6 +49,7 @@ SCHEMA = pa.schema(
         ("loss", pa.float64()),
         ("lr", pa.float64()),
         ("grad_norm", pa.float64()),
+        ("peak_mem_gib", pa.float64()),
         ("step_time_s", pa.float64()),
         ("samples_per_s", pa.float64()),
         ("checkpoint_stall_s", pa.float64()),

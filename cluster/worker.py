@@ -258,6 +258,18 @@ class _StopRequest:
         self.known = threading.Event()
 
 
+def _peak_memory_gib(device: torch.device) -> float:
+    """Rank 0's peak memory for its step rows, in GiB: on a GPU the caching allocator's peak since the
+    previous row (then reset: no device sync either way), on CPU the process's peak resident set."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # Linux: KiB
+
+
 def _step_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 7_919 + rank * 104_729) % (2**63 - 1)
 
@@ -993,6 +1005,7 @@ class Worker:
             "loss": float(loss),
             "lr": float(s.optimizer.param_groups[0]["lr"]),
             "grad_norm": float(self._grad_norm) if self._grad_norm is not None else None,
+            "peak_mem_gib": _peak_memory_gib(s.device),
             "step_time_s": dt,
             "samples_per_s": self.cfg.training.global_batch_size / dt if dt > 0 else 0.0,
             "checkpoint_stall_s": stall,

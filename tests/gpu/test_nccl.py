@@ -33,6 +33,11 @@ def test_nccl_worker_without_ray(tmp_path: object) -> None:
     assert res["resume"].global_step == 0
     assert res["epochs"][0][1] == 5
     assert all(torch.isfinite(v).all() for v in res["params"].values())
+    # step rows: the gradient norm before clipping, and the CUDA allocator's peak since the previous row
+    # (reset at each row: the model, its gradients and AdamW's state, a few MiB, not the process's RSS)
+    rows = res["rows"]
+    assert len(rows) == 5 and all(r["grad_norm"] is not None and r["grad_norm"] > 0 for r in rows)
+    assert all(0 < r["peak_mem_gib"] < 1 for r in rows)
 
 
 def test_nccl_job_on_ray(tmp_path: object, tiny_overrides: list[str]) -> None:

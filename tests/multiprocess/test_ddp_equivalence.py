@@ -40,6 +40,8 @@ def test_two_workers_equal_one_process_on_the_same_global_batch(tmp_path: object
     norms_two = [r["grad_norm"] for r in two[0]["rows"]]
     assert len(norms_two) == 12 and all(n is not None and n > 0 for n in norms_two)
     torch.testing.assert_close(torch.tensor(norms_two), torch.tensor(norms_one), rtol=1e-5, atol=0)
+    # and its peak memory: a CPU process's resident set, a few hundred MiB with torch loaded
+    assert all(0.05 < r["peak_mem_gib"] < 16 for r in two[0]["rows"])
 
 
 def test_gradients_identical_across_ranks(tmp_path: object) -> None:

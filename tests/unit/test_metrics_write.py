@@ -24,6 +24,7 @@ def _row(i: int, **over: object) -> dict[str, object]:
         "loss": 2.0 / (i + 1),
         "lr": 1e-3,
         "grad_norm": 0.5 + i,
+        "peak_mem_gib": 1.25,
         "step_time_s": 0.05,
         "samples_per_s": 1280.0,
         "checkpoint_stall_s": 0.0,
