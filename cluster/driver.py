@@ -192,6 +192,7 @@ class Driver:
         self._stop_step: int | None = None  # the step the group was asked to stop at, for it
         self._next_stop_check = 0.0
         self._seen_step = 0  # the furthest step a heartbeat reported
+        self._live_step, self._live_evals = -1, 0  # the live bar's: step, and eval batches done then
         self._started_at = time.time()
         # The stop file is read without retries: an outage must never stall the loop that watches the ranks.
         self._control = Storage(self.run_url, cfg.storage.options, retries=0, retry_budget_s=0.0)
@@ -532,7 +533,7 @@ class Driver:
             self._seen_step = watch.max_step
             self._watch_pace(beats, watch.max_step)
             self._announce_spare()
-            self._display.live(watch.max_step, self.cfg.training.global_batch_size)
+            self._display.live(watch.max_step, self.cfg.training.global_batch_size, self._evaluating(beats))
             if hung is not None:
                 self._move = None
                 self._dump_stacks(f"hang: {hung[1]}", "hang", watch.max_step)  # before the group is killed
@@ -1254,6 +1255,16 @@ class Driver:
             host = self._rank_hosts[r.rank] if r.rank < len(self._rank_hosts) else ""
             self.events.append("slow_rank_cleared", rank=r.rank, host=host, step=step, attempt=self.attempt)
             self._print(f"[{name}] rank {r.rank} on {host} keeps pace again")
+
+    def _evaluating(self, beats: list[Any]) -> int | None:
+        """Eval batches the ranks have done since the step last moved (the live bar shows an evaluation's
+        progress while the step stands still); None while training steps."""
+        step = max((b.global_step for b in beats if b is not None), default=0)
+        done = sum(b.eval_batches for b in beats if b is not None)
+        if step != self._live_step:
+            self._live_step, self._live_evals = step, done
+            return None
+        return done - self._live_evals if done > self._live_evals else None
 
     def _heartbeat_every(self, watch: HangWatch) -> float:
         """Seconds between heartbeats: ``poll_s`` for a terminal's live bar, else a twentieth of the hang

@@ -221,8 +221,9 @@ class ProgressDisplay:
         self._last_time = time.monotonic()
         self._rate = 0.0
 
-    def live(self, step: int, samples_per_step: int) -> None:
-        """Refresh the live bar (terminal only) from a heartbeat's step count."""
+    def live(self, step: int, samples_per_step: int, evaluating: int | None = None) -> None:
+        """Refresh the live bar (terminal only) from a heartbeat's step count; ``evaluating``: eval batches
+        done since the step last moved (an evaluation is running)."""
         now = time.monotonic()
         if step > self._last_step and now > self._last_time:
             rate = (step - self._last_step) / (now - self._last_time)
@@ -233,10 +234,12 @@ class ProgressDisplay:
         frac = min(1.0, step / max(1, self.total_steps))
         bar = "#" * int(frac * 30)
         eta = (self.total_steps - step) / self._rate if self._rate else 0.0
-        self.out.write(
-            f"\r[{bar:<30}] step {step}/{self.total_steps} "
-            f"{self._rate * samples_per_step:,.0f} samples/s ETA {fmt_duration(eta)}   "
+        doing = (
+            f"evaluating: {evaluating} eval batches done   "
+            if evaluating
+            else f"{self._rate * samples_per_step:,.0f} samples/s ETA {fmt_duration(eta)}   "
         )
+        self.out.write(f"\r[{bar:<30}] step {step}/{self.total_steps} {doing}")
         self.out.flush()
 
     def epoch_line(

@@ -945,3 +945,20 @@ def test_requests_left_from_before_the_job_are_removed_unanswered() -> None:
     assert driver.run().status == "finished"
     assert not driver.storage.exists(PROFILE_FILE) and not driver.storage.exists(STACKS_FILE)
     assert not {"stacks", "profile_requested"} & set(kinds(driver))
+
+
+def test_the_live_bar_shows_an_evaluations_progress_while_the_step_stands_still() -> None:
+    class Evaluating(ScriptedGroup):  # step 1 stays, each rank evaluates two more batches per heartbeat
+        def heartbeats(self, timeout: float = 2.0) -> list[Heartbeat | None]:
+            self.rounds = getattr(self, "rounds", 0) + 1
+            return [
+                Heartbeat(r, 1, 0.0, 0.01, True, eval_batches=2 * self.rounds) for r in range(self.world_size)
+            ]
+
+    driver, _ = make({0: ["busy", "busy", "busy"]}, group_cls=Evaluating)
+    driver.out = _Terminal()
+    assert driver.run().status == "finished"
+    text = driver.out.getvalue()
+    # the first round sees step 1 arrive; then 2 ranks x 2 batches per round
+    assert "step 1/12 evaluating: 4 eval batches done" in text
+    assert "step 1/12 evaluating: 8 eval batches done" in text
