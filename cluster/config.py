@@ -8,6 +8,7 @@ and says what to change, before anything is started or written.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import types
 import typing
@@ -238,6 +239,22 @@ class TrackingConfig:
     """At the end, wait at most this long for tracking to send what is queued (never during training)."""
     queue_size: int = 100_000
     """Rows and events queued per sink while it cannot send; beyond it the oldest are dropped (counted)."""
+    notify_url: str | None = None
+    """Webhook that gets a JSON POST (``{"text": ...}``: Slack, Mattermost, Teams and most chat tools take
+    it) for each event of ``notify_events``. ``env:NAME`` reads the URL from the driver's environment
+    variable NAME (webhook URLs are secrets; run.json never holds one)."""
+    notify_events: list[str] = field(
+        default_factory=lambda: [
+            "failure",
+            "run_failed",
+            "finished",
+            "stopped",
+            "early_stopped",
+            "slow_rank",
+            "preemption_notice",
+        ]
+    )
+    """The events ``notify_url`` is told of (names as in the event log, docs/runs.md)."""
 
 
 @dataclass
@@ -265,6 +282,9 @@ class JobConfig:
         data = dataclasses.asdict(self)
         if redact:
             data["storage"]["options"] = dict.fromkeys(data["storage"]["options"], "***")
+            url = data["tracking"]["notify_url"]
+            if url and not url.startswith("env:"):  # a webhook's path is its secret
+                data["tracking"]["notify_url"] = url.partition("://")[0] + "://" + _host(url) + "/***"
         return data
 
 
@@ -604,8 +624,38 @@ def _validate_evaluation(e: EvaluationConfig) -> None:
         raise ConfigError(f"evaluation.patience={e.patience} must be positive, or null for no early stopping")
 
 
+def _host(url: str) -> str:
+    return url.partition("://")[2].split("/", 1)[0].rpartition("@")[2]
+
+
+def resolve_notify_url(tr: TrackingConfig) -> str | None:
+    """``tracking.notify_url`` with ``env:NAME`` read from the environment; ConfigError when unset."""
+    url = tr.notify_url
+    if url is None or not url.startswith("env:"):
+        return url
+    name = url[4:]
+    value = os.environ.get(name, "").strip()
+    if not value:
+        raise ConfigError(
+            f"tracking.notify_url={url!r}: the environment variable {name} is not set where the driver runs "
+            "(with ray job submit, pass it in --runtime-env-json env_vars)"
+        )
+    return value
+
+
 def _validate_tracking(tr: TrackingConfig) -> None:
     import importlib.util
+
+    url = tr.notify_url
+    if url is not None and url.startswith("env:"):
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", url[4:]):
+            raise ConfigError(f"tracking.notify_url={url!r}: env: must be followed by a variable name")
+    elif url is not None and (not url.startswith(("http://", "https://")) or not _host(url)):
+        shown = url.partition("://")[0] + "://..." if "://" in url else "..."
+        raise ConfigError(
+            f"tracking.notify_url={shown!r} must be an http(s) URL of a webhook, or env:NAME to read it from "
+            "the driver's environment"
+        )
 
     if tr.flush_timeout_s < 0:
         raise ConfigError(f"tracking.flush_timeout_s={tr.flush_timeout_s} must be 0 or positive")

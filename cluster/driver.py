@@ -40,7 +40,7 @@ import torch
 from cluster import local_ray
 from cluster import stacks as stack_dump
 from cluster.checkpoint import CheckpointInfo, CheckpointStore, CommitRecord, step_dir
-from cluster.config import JobConfig
+from cluster.config import JobConfig, resolve_notify_url
 from cluster.control import (
     ANSWERED,
     PROFILE_FILE,
@@ -84,7 +84,7 @@ from cluster.states import (
     Stopped,
 )
 from cluster.storage import PROBE_ENV, Storage, join, normalize_url, write_probe
-from cluster.tracking import MlflowSink, Sink, TensorBoardSink, Tracker
+from cluster.tracking import MlflowSink, Sink, TensorBoardSink, Tracker, WebhookSink
 from cluster.worker import EpochResult, SetupInfo
 
 __all__ = [
@@ -307,6 +307,9 @@ class Driver:
             sinks.append(
                 MlflowSink(tr.mlflow_uri, tr.mlflow_experiment, self.storage, config, self.cfg.name, history)
             )
+        url = resolve_notify_url(tr)
+        if url:
+            sinks.append(WebhookSink(url, tr.notify_events, self.cfg.name, self.run_url))
         return Tracker(sinks, tr.queue_size, tr.flush_timeout_s) if sinks else None
 
     def _track(self, rows: list[dict[str, Any]]) -> None:
@@ -1463,6 +1466,7 @@ def preflight(cfg: JobConfig) -> None:
     from cluster.task import load_task_class
 
     load_task_class(cfg.task)  # an unknown task is a config error, found before anything starts
+    resolve_notify_url(cfg.tracking)  # env:NAME set where the driver runs
     if cfg.training.init_from is not None:
         from cluster.load import check_init_from
 

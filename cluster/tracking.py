@@ -454,3 +454,92 @@ def flatten(data: dict[str, Any], prefix: str = "") -> Iterable[tuple[str, str]]
         else:
             text = value if isinstance(value, str) else json.dumps(value, default=str)
             yield f"{prefix}{key}", text[:6000]
+
+
+# ------------------------------------------------------------------------------------------------ webhook
+class WebhookSink:
+    """Notifications: one JSON POST per event of ``tracking.notify_events`` to ``tracking.notify_url``:
+    ``{"text": <one line>, "run": name, "run_url": url, "event": <the event's record>}``. Chat tools take
+    ``text`` and ignore the rest; anything else can read the record. Sent from the tracking thread, retried
+    with backoff by it (an unreachable webhook costs that thread's time only), each event once."""
+
+    name = "webhook"
+
+    def __init__(
+        self, url: str, events: list[str], run_name: str, run_url: str, timeout_s: float = 10.0
+    ) -> None:
+        self.url = url
+        self.events = set(events)
+        self.run_name = run_name
+        self.run_url = run_url
+        self.timeout_s = timeout_s
+        self._sent = 0  # the highest item sequence number sent: a batch retried after an error skips them
+
+    def open(self) -> None:
+        pass
+
+    def send(self, items: list[Item]) -> None:
+        import urllib.request
+
+        for item in items:
+            if item.seq <= self._sent:
+                continue
+            record = item.data
+            if item.kind == "event" and record.get("event") in self.events:
+                body = {
+                    "text": f"[{self.run_name}] {notification_text(record)}",
+                    "run": self.run_name,
+                    "run_url": self.run_url,
+                    "event": record,
+                }
+                req = urllib.request.Request(
+                    self.url,
+                    data=json.dumps(body, default=str).encode(),
+                    headers={"Content-Type": "application/json"},
+                    method="POST",
+                )
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                    resp.read()
+            self._sent = item.seq
+
+    def close(self) -> None:
+        pass
+
+
+def notification_text(r: dict[str, Any]) -> str:
+    """One line a person reads in a chat channel, for the events worth a notification."""
+    kind = r.get("event")
+    first = str(r.get("message") or r.get("error") or "").strip().splitlines()
+    if kind == "failure":
+        return f"failure: {r.get('kind')} on rank {r.get('rank')} at step {r.get('step')}" + (
+            f": {first[0][:300]}" if first else ""
+        )
+    if kind == "run_failed":
+        return "FAILED" + (f": {first[0][:500]}" if first else "")
+    if kind == "finished":
+        loss = r.get("loss")
+        return f"finished: {r.get('global_step')} steps" + (
+            f", loss {loss:.4g}" if isinstance(loss, float) else ""
+        )
+    if kind == "stopped":
+        return (
+            f"stopped at step {r.get('global_step')} ({r.get('reason')}); checkpoint at step "
+            f"{r.get('checkpoint_step')}"
+        )
+    if kind == "early_stopped":
+        best = f"best {r.get('metric')} at step {r.get('best_step')}"
+        return f"stopped early at step {r.get('global_step')}; {best}"
+    if kind == "slow_rank":
+        return (
+            f"rank {r.get('rank')} on {r.get('host')} is slow: {r.get('ratio')}x the others' step "
+            f"({r.get('compute_ms')} ms against {r.get('others_ms')} ms)"
+        )
+    if kind == "recovered":
+        return (
+            f"recovered from {r.get('kind')} ({r.get('source')}): {r.get('lost_steps')} steps lost, first "
+            f"step {r.get('detect_to_first_step_s')}s after detection"
+        )
+    if kind == "preemption_notice":
+        node = str(r.get("node"))[:12]
+        return f"node {node} (ranks {r.get('ranks')}) is draining: {r.get('seconds_left')}s left"
+    return event_text(r).replace("**", "")
