@@ -21,9 +21,11 @@ import pytest
 from cluster import load_config, train
 from cluster.checkpoint import CheckpointStore, step_dir
 from cluster.errors import Failure
+from cluster.inspect import read_events
 from cluster.metrics import read_metrics
 from cluster.storage import Storage
 from tests.unit.test_driver import make
+from tests.unit.test_notify import Hook
 from tests.unit.test_tracking import RowsGroup
 
 mlflow = pytest.importorskip("mlflow")
@@ -98,10 +100,21 @@ def last_by_step(rows: list[dict[str, Any]], kind: str, col: str = "loss") -> di
     return {r["global_step"]: r[col] for r in sorted(rows, key=lambda r: r["time"]) if r["kind"] == kind}
 
 
+@pytest.fixture
+def webhook() -> Iterator[Hook]:
+    h = Hook()
+    yield h
+    h.close()
+
+
 @pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_a_real_job_in_mlflow_and_tensorboard_and_its_resubmission(
-    ray_local: None, tiny_overrides: list[str], mlflow_server: MlflowServer, tmp_path: pathlib.Path
+    ray_local: None,
+    tiny_overrides: list[str],
+    mlflow_server: MlflowServer,
+    tmp_path: pathlib.Path,
+    webhook: Hook,
 ) -> None:
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -115,9 +128,15 @@ def test_a_real_job_in_mlflow_and_tensorboard_and_its_resubmission(
         f"tracking.mlflow_uri={mlflow_server.uri}",
         "tracking.mlflow_experiment=tests",
         "task_args.eval_chars=4096",  # a held-out set: evaluated at each epoch's end
+        f"tracking.notify_url={webhook.url}",  # and a webhook on loopback
     ]
     first = train(load_config("jobs/configs/tiny_cpu.yaml", overrides), out=io.StringIO())
     assert first.status == "finished"
+    (told,) = webhook.got  # the default events: of a run without failures, its end
+    assert told["event"]["event"] == "finished" and told["text"].startswith(
+        f"[tracked] finished: {first.global_step}"
+    )
+    assert "SECRET" not in json.dumps(read_events(Storage(first.run_url)))
     storage = Storage(first.run_url)
     run_id = json.loads(storage.read_bytes("run.json"))["tracking"]["mlflow_run_id"]
     client = MlflowClient(tracking_uri=mlflow_server.uri)
