@@ -23,14 +23,17 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
 from cluster import docs, inspect, plot
 from cluster.errors import CheckpointError, StorageError
 from cluster.storage import url_problem
+
+T = TypeVar("T")
 
 
 def _options(pairs: list[str]) -> dict[str, Any]:
@@ -235,27 +238,27 @@ def _stop(args: argparse.Namespace, options: dict[str, Any]) -> int:
         return _error(f"error: {problem}, nothing to stop", 2)
     req = write_stop_request(storage, args.reason)
     print(f"asked {storage.root} to stop ({req.reason}); its driver looks every few seconds")
-    deadline = time.time() + args.wait
-    while args.wait > 0:
+    if args.wait <= 0:
+        return 0
+
+    def ended() -> dict[str, Any] | None:
         tail = [e for e in inspect.read_events(storage) if float(e.get("time", 0)) >= req.requested_at - 1]
-        done = next((e for e in tail if e.get("event") in ("stopped", "finished", "run_failed")), None)
-        if done is not None:
-            if done["event"] == "stopped":
-                print(
-                    f"stopped at step {done.get('global_step')}; checkpoint at step "
-                    f"{done.get('checkpoint_step')}"
-                    + ("" if done.get("committed") else f" ({done.get('note')})")
-                )
-            else:
-                print(f"the run ended first: {done['event']} at step {done.get('global_step')}")
-            return 0
-        if time.time() >= deadline:
-            return _error(
-                f"not stopped within {args.wait:g}s: is a job training it? The request stays: a running job "
-                "acts on it, a later submission removes it unread",
-                1,
-            )
-        time.sleep(1.0)
+        return next((e for e in tail if e.get("event") in ("stopped", "finished", "run_failed")), None)
+
+    done = _poll_until(args.wait, ended, every_s=1.0)
+    if done is None:
+        return _error(
+            f"not stopped within {args.wait:g}s: is a job training it? The request stays: a running job "
+            "acts on it, a later submission removes it unread",
+            1,
+        )
+    if done["event"] == "stopped":
+        print(
+            f"stopped at step {done.get('global_step')}; checkpoint at step {done.get('checkpoint_step')}"
+            + ("" if done.get("committed") else f" ({done.get('note')})")
+        )
+    else:
+        print(f"the run ended first: {done['event']} at step {done.get('global_step')}")
     return 0
 
 
@@ -267,30 +270,21 @@ def _stacks(args: argparse.Namespace, options: dict[str, Any]) -> int:
     if problem is not None:
         return _error(f"error: {problem}", 2)
     req_id = write_stacks_request(storage)
-    deadline = time.time() + args.wait
-    while True:
-        found = [
-            e
-            for e in inspect.read_events(storage)
-            if e.get("event") == "stacks" and e.get("request") == req_id
-        ]
-        if found:
-            e = found[-1]
-            if args.summary:
-                for g in e.get("groups", []):
-                    print(f"ranks {g['ranks']}: {g['where']}")
-                if e.get("silent"):
-                    print(f"ranks {e['silent']}: no answer")
-            else:
-                sys.stdout.write(storage.read_bytes(e["path"]).decode())
-            return 0
-        if time.time() >= deadline:
-            return _error(
-                f"no answer within {args.wait:g}s: is a job training it? Its driver reads requests every few "
-                "seconds while the ranks train (not while a group starts or recovers)",
-                1,
-            )
-        time.sleep(0.5)
+    e = _poll_until(args.wait, lambda: _answer(storage, "stacks", req_id))
+    if e is None:
+        return _error(
+            f"no answer within {args.wait:g}s: is a job training it? Its driver reads requests every few "
+            "seconds while the ranks train (not while a group starts or recovers)",
+            1,
+        )
+    if args.summary:
+        for g in e.get("groups", []):
+            print(f"ranks {g['ranks']}: {g['where']}")
+        if e.get("silent"):
+            print(f"ranks {e['silent']}: no answer")
+    else:
+        sys.stdout.write(storage.read_bytes(e["path"]).decode())
+    return 0
 
 
 def _profile(args: argparse.Namespace, options: dict[str, Any]) -> int:
@@ -308,29 +302,43 @@ def _profile(args: argparse.Namespace, options: dict[str, Any]) -> int:
     if problem is not None:
         return _error(f"error: {problem}", 2)
     req_id = write_profile_request(storage, args.steps, ranks)
-    deadline = time.time() + args.wait
-    started: dict[str, Any] | None = None
+    t0 = time.time()
+    started = _poll_until(args.wait, lambda: _answer(storage, "profile_requested", req_id))
+    if started is None:
+        return _error(f"no job took the request within {args.wait:g}s: is a job training it?", 1)
+    folder, want = started["folder"], started["ranks"]
+
+    def written() -> bool | None:
+        have = set(storage.listdir(folder))
+        return True if all(table_name(r) in have for r in want) else None
+
+    if _poll_until(args.wait - (time.time() - t0), written) is None:
+        return _error(
+            f"the ranks did not write every profile within {args.wait:g}s (are they still stepping?)", 1
+        )
+    sys.stdout.write(storage.read_bytes(f"{folder}/{table_name(want[0])}").decode())
+    print("\ntraces (https://ui.perfetto.dev, chrome://tracing, TensorBoard's profiler plugin):")
+    for r in want:
+        print(f"  {storage.url(f'{folder}/{trace_name(r)}')}")
+    return 0
+
+
+def _answer(storage: Any, event: str, req_id: str) -> dict[str, Any] | None:
+    """The event that answers request ``req_id`` (its ``request`` field), once the driver wrote it."""
+    found = [
+        e for e in inspect.read_events(storage) if e.get("event") == event and e.get("request") == req_id
+    ]
+    return found[-1] if found else None
+
+
+def _poll_until(wait_s: float, check: Callable[[], T | None], every_s: float = 0.5) -> T | None:
+    """``check()`` until it returns something or ``wait_s`` has passed (then None)."""
+    deadline = time.time() + wait_s
     while True:
-        if started is None:
-            found = [
-                e
-                for e in inspect.read_events(storage)
-                if e.get("event") == "profile_requested" and e.get("request") == req_id
-            ]
-            started = found[-1] if found else None
-        if started is not None:
-            folder, want = started["folder"], started["ranks"]
-            have = set(storage.listdir(folder))
-            if all(table_name(r) in have for r in want):
-                sys.stdout.write(storage.read_bytes(f"{folder}/{table_name(want[0])}").decode())
-                print("\ntraces (https://ui.perfetto.dev, chrome://tracing, TensorBoard's profiler plugin):")
-                for r in want:
-                    print(f"  {storage.url(f'{folder}/{trace_name(r)}')}")
-                return 0
-        if time.time() >= deadline:
-            what = "no job took the request" if started is None else "the ranks did not write every profile"
-            return _error(f"{what} within {args.wait:g}s (is a job training it, and still stepping?)", 1)
-        time.sleep(0.5)
+        got = check()
+        if got is not None or time.time() >= deadline:
+            return got
+        time.sleep(every_s)
 
 
 def _no_job(storage: Any) -> str | None:
