@@ -84,6 +84,10 @@ class TrainingConfig:
     """Cap on optimizer steps per epoch (shortens epochs for smoke tests); ``null`` uses the whole dataset."""
     log_every_steps: int = 10
     """Record per-step metrics (loss, lr, step time) every this many steps."""
+    time_limit_s: float | None = None
+    """Stop cleanly after this many seconds of this submission (a cluster's job time limit, a budget):
+    every rank stops at the next step with a checkpoint there, status ``stopped``; resubmit to go on.
+    ``null``: no limit."""
     fixed_buckets: bool = True
     """Keep DDP's first gradient-bucket layout all run, so a resume is bitwise exact beyond 2 ranks
     (docs/performance.md). ``false``: DDP's default."""
@@ -505,6 +509,8 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"training.epochs={t.epochs} must be at least 1")
     if t.grad_accum_steps < 1:
         raise ConfigError(f"training.grad_accum_steps={t.grad_accum_steps} must be at least 1")
+    if t.time_limit_s is not None and not t.time_limit_s > 0:
+        raise ConfigError(f"training.time_limit_s={t.time_limit_s} must be positive seconds, or null")
     if t.init_from is not None:
         problem = url_problem(t.init_from, "training.init_from")
         if problem is not None:

@@ -897,6 +897,9 @@ class Driver:
         if now >= self._next_stop_check:
             self._next_stop_check = now + STOP_POLL_S
             self._read_control()
+        limit = self.cfg.training.time_limit_s
+        if limit is not None and now - self._started_at >= limit:
+            self.request_stop(f"training.time_limit_s={limit:g} reached")
         req = self._stop_request
         if req is None or self._stop_step is not None:
             return

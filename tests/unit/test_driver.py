@@ -962,3 +962,19 @@ def test_the_live_bar_shows_an_evaluations_progress_while_the_step_stands_still(
     # the first round sees step 1 arrive; then 2 ranks x 2 batches per round
     assert "step 1/12 evaluating: 4 eval batches done" in text
     assert "step 1/12 evaluating: 8 eval batches done" in text
+
+
+def test_a_time_limit_stops_the_run_cleanly_and_one_not_reached_does_nothing() -> None:
+    driver, _ = make({0: ["busy", "busy"]}, ["training.time_limit_s=30"], group_cls=CommittingGroup)
+    driver._started_at -= 31  # this submission has run for 31 s
+    result = driver.run()
+    assert result.status == "stopped" and result.stop_reason == "training.time_limit_s=30 reached"
+    assert result.global_step == 1 and ScriptedGroup.instances[0].calls[:2] == [
+        "epoch0@0",
+        "stop(checkpoint=True)",
+    ]
+    stopped = next(e for e in driver.events.records() if e["event"] == "stopped")
+    assert stopped["committed"] is True
+
+    driver, _ = make({0: ["busy", "busy"]}, ["training.time_limit_s=3600"])
+    assert driver.run().status == "finished"
