@@ -8,6 +8,7 @@
     python -m cluster stop ./runs/tiny-cpu --wait 300      # a running job stops with a checkpoint
     python -m cluster stacks ./runs/tiny-cpu               # where every rank of a running job is now
     python -m cluster profile ./runs/tiny-cpu --steps 5    # torch.profiler traces of a running job's steps
+    python -m cluster watch ./runs/tiny-cpu                # follow a run's events until it ends
     python -m cluster docs-config --write docs/config.md   # regenerate the config reference
 
 Storage credentials come from the usual environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS) or from
@@ -146,6 +147,13 @@ def _parser() -> argparse.ArgumentParser:
         help="how long to wait for the files (default 300)",
     )
 
+    wa = add("watch", "follow a run's events as they land (from storage), until it ends")
+    wa.add_argument("url", help="URL/NAME of a run, or the storage URL when NAME is given")
+    wa.add_argument("name", nargs="?", help="run name under URL")
+    wa.add_argument("--interval", type=float, default=5.0, metavar="SECONDS", help="how often to look (5)")
+    wa.add_argument("--all", action="store_true", help="every event, not only the notable ones")
+    wa.add_argument("--backlog", type=int, default=10, help="earlier events to print first (default 10)")
+
     dc = sub.add_parser("docs-config", help="print the configuration reference (docs/config.md, generated)")
     dc.add_argument("--write", metavar="FILE", help="replace the reference block in this file instead")
     return p
@@ -190,6 +198,13 @@ def main(argv: list[str] | None = None) -> int:
             return _stacks(args, options)
         elif args.command == "profile":
             return _profile(args, options)
+        elif args.command == "watch":
+            storage = inspect.open_run(args.url, args.name, options)
+            try:
+                status = inspect.watch(storage, sys.stdout, args.interval, args.all, max(0, args.backlog))
+            except KeyboardInterrupt:
+                return 130
+            return 0 if status in (inspect.FINISHED, inspect.STOPPED) else 1
     except StorageError as exc:
         return _error(f"storage error: {exc}", 1)
     except CheckpointError as exc:

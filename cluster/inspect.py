@@ -814,3 +814,93 @@ def format_evaluations(rows: list[dict[str, Any]], last: int = 10) -> list[str]:
     best = min(rows, key=lambda e: (e["loss"], e["global_step"]))
     out.append(f"  lowest eval loss: {_fmt(best['loss'])} at step {best['global_step']}")
     return out
+
+
+# ------------------------------------------------------------------------------------------------ watch
+WATCHED = (
+    "run_start",
+    "group_started",
+    "epoch_end",
+    "evaluation",
+    "checkpoint",
+    "checkpoint_failed",
+    "failure",
+    "decision",
+    "recovered",
+    "resize",
+    "preemption_notice",
+    "preemption_move",
+    "slow_rank",
+    "slow_rank_cleared",
+    "stacks",
+    "profile_requested",
+    "stop_requested",
+    "stopped",
+    "early_stopped",
+    "finished",
+    "already_complete",
+    "run_failed",
+)
+"""The events ``watch`` prints by default (``--all``: every one)."""
+
+
+def event_line(e: dict[str, Any]) -> str:
+    """One short line for an event, as ``watch`` prints it."""
+    from cluster.tracking import notification_text
+
+    kind = e.get("event")
+    if kind == "group_started":
+        return (
+            f"group started (attempt {e.get('attempt')}): {e.get('world_size')} workers, from step "
+            f"{e.get('resume_step')} ({e.get('resume_source')}) in {e.get('seconds')}s"
+        )
+    if kind == "epoch_end":
+        return (
+            f"epoch {_fmt(e.get('epoch'))} done: step {e.get('global_step')}, loss {_fmt(e.get('loss'))}, "
+            f"{_fmt(e.get('samples_per_s'), 1)} samples/s"
+        )
+    if kind == "evaluation":
+        shown = "".join(f", {k} {_fmt(v)}" for k, v in (e.get("metrics") or {}).items())
+        return f"eval at step {e.get('global_step')}: loss {_fmt(e.get('loss'))}{shown}"
+    if kind == "checkpoint":
+        return f"checkpoint at step {e.get('step')} ({human_bytes(int(e.get('bytes') or 0))})"
+    if kind == "decision":
+        return f"decision: {'restart' if e.get('restart') else 'give up'} ({e.get('reason')})"
+    if kind == "stacks":
+        where = "; ".join(
+            f"ranks {ranges_text(g.get('ranks'))}: {g.get('where')}" for g in e.get("groups") or []
+        )
+        return f"stacks ({e.get('kind')}): {where} -> {e.get('path')}"
+    text = notification_text(e)
+    return text if len(text) <= 240 else text[:237] + "..."
+
+
+def ranges_text(ranks: Any) -> str:
+    from cluster.stacks import ranges
+
+    return ranges(list(ranks or []))
+
+
+def watch(
+    storage: Storage, out: Any, every_s: float = 5.0, everything: bool = False, backlog: int = 10
+) -> str:
+    """Print the run's events as they land (the last ``backlog`` first) until it ends; return its status
+    (``finished``, ``failed``, ``stopped``, or ``interrupted`` when its driver is gone)."""
+    events = read_events(storage)
+    shown = [e for e in events if everything or e.get("event") in WATCHED]
+    for e in shown[-backlog:] if backlog else []:
+        out.write(f"{_when(e.get('time'))} {event_line(e)}\n")
+    seen = len(events)
+    while True:
+        status = live_status(storage, events)
+        if status not in (RUNNING, UNFINISHED):
+            out.write(f"the run is {status}\n")
+            out.flush()
+            return status
+        out.flush()
+        time.sleep(every_s)
+        events = read_events(storage)
+        for e in events[seen:]:
+            if everything or e.get("event") in WATCHED:
+                out.write(f"{_when(e.get('time'))} {event_line(e)}\n")
+        seen = len(events)

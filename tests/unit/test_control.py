@@ -84,3 +84,47 @@ def test_requests_are_files_a_stale_one_is_recognisable(tmp_path: pathlib.Path) 
     assert got == req and got.reason == "because" and got.requested_at <= time.time()
     run.write_atomic("control/stop.json", b"{not json")  # someone asked, in their own way
     assert read_stop_request(run) is not None
+
+
+def test_watch_prints_events_as_they_land_until_the_run_ends(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import threading
+
+    first = [ev("run_start"), ev("checkpoint", step=10, bytes=2048), ev("epoch_end", epoch=0, global_step=10)]
+    run = make_run(tmp_path, first)
+    beat = {
+        "host": "h",
+        "pid": 42,
+        "state": "running",
+        "global_step": 10,
+        "ended": False,
+        "time": time.time(),
+    }
+    run.write_atomic(DRIVER_FILE, json.dumps(beat).encode())
+    later = [
+        ev("failure", kind="worker_died", rank=1, step=12, message="rank 1's process died"),
+        ev("decision", restart=True, reason="restart 1/3"),
+        ev("evaluation", global_step=20, loss=1.5, metrics={"acc": 0.5}),
+        ev("finished", global_step=20, loss=1.25),
+    ]
+
+    def go() -> None:  # the job goes on while `watch` looks
+        time.sleep(0.3)
+        lines = "".join(json.dumps(e) + "\n" for e in first + later)
+        run.write_atomic("events/000001.jsonl", lines.encode())
+
+    t = threading.Thread(target=go)
+    t.start()
+    code = main(["watch", run.root, "--interval", "0.1", "--backlog", "1"])
+    t.join()
+    out = capsys.readouterr().out.splitlines()
+    assert code == 0
+    assert [line.split(" UTC ", 1)[1] for line in out[:-1]] == [
+        "epoch 0 done: step 10, loss -, - samples/s",  # the backlog: the last one before
+        "failure: worker_died on rank 1 at step 12: rank 1's process died",
+        "decision: restart (restart 1/3)",
+        "eval at step 20: loss 1.5000, acc 0.5000",
+        "finished: 20 steps, loss 1.25",
+    ]
+    assert out[-1] == "the run is finished"
