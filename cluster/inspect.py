@@ -856,7 +856,7 @@ def event_line(e: dict[str, Any]) -> str:
         )
     if kind == "epoch_end":
         return (
-            f"epoch {_fmt(e.get('epoch'))} done: step {e.get('global_step')}, loss {_fmt(e.get('loss'))}, "
+            f"epoch {int(e.get('epoch', -1)) + 1} done: step {e.get('global_step')}, loss {_fmt(e.get('loss'))}, "
             f"{_fmt(e.get('samples_per_s'), 1)} samples/s"
         )
     if kind == "evaluation":

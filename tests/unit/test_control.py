@@ -121,7 +121,7 @@ def test_watch_prints_events_as_they_land_until_the_run_ends(
     out = capsys.readouterr().out.splitlines()
     assert code == 0
     assert [line.split(" UTC ", 1)[1] for line in out[:-1]] == [
-        "epoch 0 done: step 10, loss -, - samples/s",  # the backlog: the last one before
+        "epoch 1 done: step 10, loss -, - samples/s",  # the backlog: the last one before (epochs from 1)
         "failure: worker_died on rank 1 at step 12: rank 1's process died",
         "decision: restart (restart 1/3)",
         "eval at step 20: loss 1.5000, acc 0.5000",
