@@ -855,8 +855,9 @@ def event_line(e: dict[str, Any]) -> str:
             f"{e.get('resume_step')} ({e.get('resume_source')}) in {e.get('seconds')}s"
         )
     if kind == "epoch_end":
+        epoch = int(e.get("epoch", -1)) + 1
         return (
-            f"epoch {int(e.get('epoch', -1)) + 1} done: step {e.get('global_step')}, loss {_fmt(e.get('loss'))}, "
+            f"epoch {epoch} done: step {e.get('global_step')}, loss {_fmt(e.get('loss'))}, "
             f"{_fmt(e.get('samples_per_s'), 1)} samples/s"
         )
     if kind == "evaluation":
