@@ -148,6 +148,10 @@ class EvaluationConfig:
     max_batches: int | None = None
     """Evaluate only the first this many batches of the eval set (a quick look at a large one); ``null``:
     all of it."""
+    loader_workers: int | None = None
+    """Processes per worker reading eval batches ahead (the eval set must pickle), kept between
+    evaluations; ``null``: ``training.loader_workers``; 0: read in turn (or ahead in a thread for a
+    dataset that says ``read_ahead``)."""
     at_start: bool = False
     """Also evaluate the initial model, before a new run's first step: a baseline (with
     ``checkpoint.best_metric`` it is the first best, checkpointed at step 0)."""
@@ -623,6 +627,11 @@ def _validate_evaluation(e: EvaluationConfig) -> None:
     if e.batch_size is not None and e.batch_size < 1:
         raise ConfigError(
             f"evaluation.batch_size={e.batch_size} must be positive, or null for the training micro-batch"
+        )
+    if e.loader_workers is not None and e.loader_workers < 0:
+        raise ConfigError(
+            f"evaluation.loader_workers={e.loader_workers} must be 0 or more, or null for "
+            "training.loader_workers"
         )
     if e.max_batches is not None and e.max_batches < 1:
         raise ConfigError(f"evaluation.max_batches={e.max_batches} must be positive, or null for all")

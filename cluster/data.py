@@ -334,6 +334,82 @@ class InputPipeline:
         self._it = self._loader = None  # the DataLoader's iterator shuts its processes down when released
 
 
+class _EvalPlan(Sampler[tuple[int, int, int, int]]):
+    """The eval loader's sampler: (seed, batch, start, stop) for each of this rank's eval batches, set per
+    evaluation (``EvalLoader.batches``)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[int, int, int, int]] = []
+
+    def __iter__(self) -> Iterator[tuple[int, int, int, int]]:
+        return iter(list(self.items))
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+class _EvalFetch(Dataset[tuple[int, Any]]):
+    """Runs in an eval loader process: one eval batch per item, read after seeding torch's generator as an
+    in-turn read is seeded, so a read that draws random numbers draws the same ones."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, item: tuple[int, int, int, int]) -> tuple[int, Any]:
+        seed, b, start, stop = item
+        torch.default_generator.manual_seed(seed)
+        return b, fetch_batch(self.dataset, torch.arange(start, stop))
+
+
+class EvalLoader:
+    """Loader processes for a rank's eval batches (``evaluation.loader_workers``), started at the first
+    evaluation and kept for the next ones: the batches of an evaluation are read while the ones before
+    them are evaluated, in batch order."""
+
+    def __init__(self, dataset: Any, workers: int, prefetch: int, device: torch.device) -> None:
+        self._plan = _EvalPlan()
+        self._loader: DataLoader[Any] = DataLoader(
+            _EvalFetch(dataset),
+            sampler=self._plan,
+            batch_size=None,
+            num_workers=workers,
+            persistent_workers=True,
+            prefetch_factor=prefetch,
+            pin_memory=device.type == "cuda",
+            collate_fn=_as_is,
+            multiprocessing_context="forkserver",
+            generator=torch.Generator(),
+            worker_init_fn=functools.partial(_exit_with, os.getpid()),
+        )
+        self.workers = workers
+        self.dataset_name = type(dataset).__name__
+        self.broken = False
+        """A loader process failed (the dataset raised, or the process died): make a new EvalLoader."""
+
+    def batches(self, items: list[tuple[int, int, int, int]]) -> Iterator[Any]:
+        """The host data of each (seed, batch, start, stop), in order."""
+        self._plan.items = items
+        try:
+            it = iter(self._loader)  # persistent: the same processes, a reset iterator
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            raise ConfigError(
+                f"evaluation.loader_workers={self.workers} sends the eval set to loader processes, but "
+                f"{self.dataset_name} cannot be pickled ({exc}). Make it picklable, or set "
+                "evaluation.loader_workers=0"
+            ) from None
+        try:
+            for want, (got, data) in zip(items, it, strict=True):
+                if got != want[1]:
+                    raise RuntimeError(f"the eval loader handed out batch {got} for batch {want[1]}")
+                yield data
+        except Exception:
+            self.broken = True
+            raise
+
+
 def read_parquet(
     url: str,
     columns: Sequence[str],

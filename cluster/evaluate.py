@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -136,10 +136,12 @@ def evaluate(
     device: torch.device,
     autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     progress: Callable[[], None] = lambda: None,
+    reader: Callable[[list[tuple[int, int, int, int]]], Iterator[Any]] | None = None,
 ) -> EvalResult:
     """Evaluate ``model`` (unwrapped, the same on every rank) on ``dataset`` at global step ``step``; every
     rank of the group calls this together and gets the same result. ``progress`` is called after each
-    batch (the hang watch's sign of life)."""
+    batch (the hang watch's sign of life). ``reader`` (loader processes, ``cluster.data.EvalLoader``) reads
+    this rank's batches, given (seed, batch, start, stop) each, in order."""
     t0 = time.perf_counter()
     n = len(dataset)
     size = eval_batch_size(cfg)
@@ -156,9 +158,15 @@ def evaluate(
     def read(b: int) -> Any:
         return fetch_batch(dataset, torch.arange(b * size, min((b + 1) * size, n)))
 
+    seed = cfg.training.seed
+    stream = (
+        reader([(_seed(seed, step, b), b, b * size, min((b + 1) * size, n)) for b in ours])
+        if reader is not None and len(ours)
+        else None
+    )
     ahead = (
         ThreadPoolExecutor(1, thread_name_prefix="cluster-eval-read")
-        if getattr(dataset, "read_ahead", False) and len(ours) > 1
+        if stream is None and getattr(dataset, "read_ahead", False) and len(ours) > 1
         else None
     )
     model.eval()
@@ -166,7 +174,10 @@ def evaluate(
         with torch.no_grad():
             pending = ahead.submit(read, ours[0]) if ahead is not None else None
             for i, b in enumerate(ours):
-                if pending is None:
+                if stream is not None:  # read by a loader process, seeded as an in-turn read is
+                    data = next(stream)
+                    torch.default_generator.manual_seed(_seed(cfg.training.seed, step, b))
+                elif pending is None:
                     torch.default_generator.manual_seed(_seed(cfg.training.seed, step, b))
                     data = read(b)  # a read that draws random numbers draws them from this batch's seed
                 else:

@@ -38,7 +38,14 @@ from cluster import dist as cdist
 from cluster import stacks as stack_dump
 from cluster.checkpoint import CheckpointStore, CheckpointWriter, CommitRecord, step_dir
 from cluster.config import FaultSpec, JobConfig, parse_fault_env
-from cluster.data import LEGACY_ORDER, ORDERS, TORCH_ORDER, InputPipeline, ResumableDistributedSampler
+from cluster.data import (
+    LEGACY_ORDER,
+    ORDERS,
+    TORCH_ORDER,
+    EvalLoader,
+    InputPipeline,
+    ResumableDistributedSampler,
+)
 from cluster.errors import CheckpointError, ConfigError, DivergedError, StorageError, WorkerError
 from cluster.evaluate import BestEval, EvalResult, eval_due, evaluate
 from cluster.pace import Pace, StepPace
@@ -307,6 +314,7 @@ class Worker:
         self._train_ident: int | None = None
         self._grad_norm: torch.Tensor | None = None  # the last step's, when it was taken (``_train_step``)
         self._profiler: StepProfiler | None = None  # made by the first ``profile`` request
+        self._eval_loader: EvalLoader | None = None  # the eval set's loader processes, once started
         self._best_at: int | None = None  # the step of an evaluation that became the best: checkpoint it
         self.gpu_index = 0  # this rank's GPU among the visible ones (``use_gpus``)
         self.faults = self._faults()
@@ -1020,6 +1028,17 @@ class Worker:
             self.global_step, s.sampler.steps_per_epoch, self.cfg.training.epochs, self.cfg.evaluation
         )
 
+    def _eval_reader(self, device: torch.device) -> Any:
+        """The eval loader processes' reader (``evaluation.loader_workers``, default the training's), made
+        at the first evaluation and kept; None to read in turn."""
+        e, t = self.cfg.evaluation, self.cfg.training
+        workers = e.loader_workers if e.loader_workers is not None else t.loader_workers
+        if workers == 0:
+            return None
+        if self._eval_loader is None or self._eval_loader.broken:
+            self._eval_loader = EvalLoader(self._eval_dataset, workers, t.prefetch, device)
+        return self._eval_loader.batches
+
     def _evaluate(self, s: TrainSession) -> EvalResult:
         """Evaluate at this step, on every rank together (``cluster.evaluate``); rank 0 queues the result as
         an ``eval`` metric row for the driver."""
@@ -1043,6 +1062,7 @@ class Worker:
             s.device,
             autocast=lambda: self._autocast(s),
             progress=alive,
+            reader=self._eval_reader(s.device),
         )
         alive()
         values = {"loss": res.loss, **res.metrics}

@@ -19,6 +19,7 @@ from torch import nn
 
 from cluster import Task, TensorBatchDataset, load_config
 from cluster.config import JobConfig
+from cluster.data import EvalLoader
 from cluster.evaluate import EvalResult, evaluate
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
@@ -44,6 +45,20 @@ class BNTask(Task):
         return nn.functional.cross_entropy(logits, y), {"acc": (logits.argmax(1) == y).double().mean()}
 
 
+class NoisyEvalSet:
+    """A map-style eval set whose reads draw random numbers (noise, as an augmentation would): a loader
+    process must draw the same ones an in-turn read does. Module level: loader processes unpickle it."""
+
+    def __init__(self) -> None:
+        self.x, self.y = BNTask().build_eval_dataset().tensors
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i] + 0.1 * torch.randn(6), self.y[i]
+
+
 def config() -> JobConfig:
     return load_config(None, [f"evaluation.batch_size={BATCH}"])
 
@@ -59,7 +74,7 @@ def model_with_stats(rank: int) -> nn.Module:
     return model
 
 
-def _rank(rank: int, world: int, port: int, q: Any) -> None:
+def _rank(rank: int, world: int, port: int, q: Any, data: str = "plain", loaders: int = 0) -> None:
     try:
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
@@ -68,7 +83,10 @@ def _rank(rank: int, world: int, port: int, q: Any) -> None:
         task = BNTask()
         model = model_with_stats(rank)
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        res = evaluate(task, model, task.build_eval_dataset(), config(), 7, rank, world, torch.device("cpu"))
+        dataset = task.build_eval_dataset() if data == "plain" else NoisyEvalSet()
+        reader = EvalLoader(dataset, loaders, 2, torch.device("cpu")).batches if loaders else None
+        cpu = torch.device("cpu")
+        res = evaluate(task, model, dataset, config(), 7, rank, world, cpu, reader=reader)
         after = model.state_dict()
         kept = all(torch.equal(before[k], after[k]) for k in before)
         dist.destroy_process_group()
@@ -77,13 +95,13 @@ def _rank(rank: int, world: int, port: int, q: Any) -> None:
         q.put((rank, traceback.format_exc()))
 
 
-def run(world: int) -> list[tuple[EvalResult, bool, bool]]:
+def run(world: int, data: str = "plain", loaders: int = 0) -> list[tuple[EvalResult, bool, bool]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, q)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, q, data, loaders)) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -132,6 +150,18 @@ def test_the_result_is_the_same_at_every_world_size_and_uses_rank_0_s_statistics
     x, y = BNTask().build_eval_dataset().tensors
     with torch.no_grad():
         assert float(nn.functional.cross_entropy(other(x), y)) != pytest.approx(loss, rel=1e-6)
+
+
+def test_loader_processes_read_the_same_batches_as_an_in_turn_read_even_with_random_draws() -> None:
+    """``evaluation.loader_workers``: each batch is read in a loader process after seeding its generator as
+    an in-turn read is seeded, so a noisy eval set gives bitwise the same result, at any world size."""
+    in_turn = run(2, "noisy")[0][0]
+    for world in (1, 2):
+        for res, kept, training in run(world, "noisy", loaders=1):
+            assert (res.loss, res.metrics) == (in_turn.loss, in_turn.metrics), world
+            assert res.samples == SAMPLES and kept and training
+    plain = run(1)[0][0]
+    assert in_turn.loss != plain.loss  # the noise was drawn: the test would see a seeding mistake
 
 
 def test_best_and_early_stop_checkpoints_are_taken_by_every_rank_under_zero(tmp_path: Any) -> None:
