@@ -98,6 +98,18 @@ def test_evaluations_record_the_saved_model_s_loss_and_leave_training_unchanged(
     assert "evaluations (4)" in text and "BITS_PER_CHAR" in text
 
 
+def test_eval_loader_processes_record_the_same_evaluations_and_weights(
+    plain: dict[str, torch.Tensor], evaluated: tuple[Any, str, JobConfig], tmp_path: object
+) -> None:
+    """``evaluation.loader_workers=1``: each rank reads its eval batches in a loader process of its own
+    (started at the first evaluation, kept for the next), with the same results as reading in turn."""
+    cfg = config(f"{tmp_path}/runs", "eval-loaders", *EVAL, "evaluation.loader_workers=1")
+    result = train(cfg, out=io.StringIO())
+    assert result.status == "finished"
+    assert evaluation_events(result.run_url) == evaluation_events(evaluated[0].run_url)
+    assert_bitwise_equal(final_model(result.run_url), plain)
+
+
 def test_an_evaluation_cut_short_by_a_killed_rank_runs_again_once_with_the_same_result(
     plain: dict[str, torch.Tensor], evaluated: tuple[Any, str, JobConfig], tmp_path: object
 ) -> None:
