@@ -19,7 +19,9 @@ the barriers.
 With ``--read-ms X`` each batch read also waits X ms (a storage read's latency, as a Parquet eval set on
 object storage has), and the arms are the product reading ahead (``read_ahead = True``, as
 ``ParquetDataset`` says: the next batch is read in a background thread) against the product reading in turn;
-the figure is product/inturn.
+the figure is product/inturn. With ``--loaders N`` too, the product reads in ``N`` loader processes per
+rank (``evaluation.loader_workers``, ``cluster.data.EvalLoader``, started before the timed repeats as a run
+starts them at its first evaluation) instead of a thread.
 
 Output: per repeat the seconds of each arm and product/bare (or product/inturn); the median ratio and a 95%
 t-interval of the mean ratio.
@@ -106,6 +108,11 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) ->
         out: list[dict[str, Any]] = []
         other = "inturn" if args.read_ms else "bare"
         wait = args.read_ms / 1000
+        loader = None
+        if args.loaders and wait:
+            from cluster.data import EvalLoader
+
+            loader = EvalLoader(_Slow(ds, wait, ahead=False), args.loaders, 2, torch.device("cpu"))
         for rep in range(args.repeats + 1):  # the first round warms both arms up and is dropped
             order = ["product", other] if rep % 2 == 0 else [other, "product"]
             row: dict[str, Any] = {}
@@ -114,7 +121,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) ->
                 t0 = time.perf_counter()
                 if arm in ("product", "inturn"):
                     data = _Slow(ds, wait, ahead=arm == "product") if wait else ds
-                    res = evaluate(task, model, data, cfg, 0, rank, world, torch.device("cpu"))
+                    reader = loader.batches if arm == "product" and loader is not None else None
+                    res = evaluate(task, model, data, cfg, 0, rank, world, torch.device("cpu"), reader=reader)
                     row[f"{arm}_loss"], row[f"{arm}_samples"] = res.loss, res.samples
                 else:
                     row["bare_loss"], row["bare_samples"] = _bare(model, x, y, rank, world)
@@ -136,6 +144,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--eval-chars", type=int, default=131_072)
     parser.add_argument("--read-ms", type=float, default=0.0, help="wait per batch read (storage latency)")
+    parser.add_argument("--loaders", type=int, default=0, help="with --read-ms: read in N loader processes")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     with socket.socket() as s:
