@@ -218,6 +218,10 @@ class FailureConfig:
     """Report a rank whose own part of each step (input, forward, backward: before it waits for the others)
     takes at least this many times the other ranks' median, over three heartbeats in a row: a
     ``slow_rank`` event and a console line naming its host (docs/failures.md). ``null``: off."""
+    slow_rank_action: Literal["report", "move"] = "report"
+    """What a slow rank gets: ``report`` (an event and a console line), or ``move``: also a replacement on
+    another node, prepared while training goes on, that takes its place between two steps with the state
+    of a healthy rank (as a drain notice's move; docs/failures.md). No room elsewhere: reported only."""
     process_group_timeout_s: float = 300.0
     """Timeout of collectives in the process group (init_process_group ``timeout``)."""
     preemption: bool = True

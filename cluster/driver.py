@@ -184,6 +184,8 @@ class Driver:
         self._next_grow_check = 0.0
         self._slow: SlowRankWatch | None = None  # the current group's, when failures.slow_rank_ratio is set
         self._rank_hosts: list[str] = []  # the current group's, by rank
+        self._rank_nodes: list[str] = []  # the current group's Ray node ids, by rank
+        self._slow_nodes: set[str] = set()  # nodes a slow rank was moved off: no replacement goes there
         self._slow_reports: list[dict[str, Any]] = []
         self._evaluated: set[int] = set()  # global steps whose evaluation was recorded (any submission)
         self.last_eval: dict[str, Any] | None = None
@@ -468,6 +470,7 @@ class Driver:
         ratio = cfg.failures.slow_rank_ratio
         self._slow = SlowRankWatch(ratio) if ratio is not None and n > 1 else None
         self._rank_hosts = [i.hostname for i in infos]
+        self._rank_nodes = [i.node_id for i in infos]
         if s.recovery is not None:
             s.recovery.group_started(t_reserved, t_ready, infos, r.global_step)
         if s.move is not None:
@@ -685,10 +688,12 @@ class Driver:
         epoch runs (``running``), push a move in progress on: stop once its replacements are ready, or with
         a checkpoint when time runs out (a stop needs a running epoch: it is agreed by the ranks in it)."""
         f = self.cfg.failures
-        if not f.preemption or self.group is None or self._stop_request is not None:
+        if self.group is None or self._stop_request is not None:
             return  # (a stop asked for checkpoints every rank's state anyway)
         now = time.time()
         m = self._move
+        if m is None and not f.preemption:
+            return
         if m is None:
             if now < self._next_drain_check:
                 return
@@ -711,6 +716,18 @@ class Driver:
         status = self.group.move_status()
         late = m.must_stop_by is not None and now >= m.must_stop_by
         waited_out = m.must_stop_by is None and now - m.noticed_at > self.cfg.scaling.resource_wait_s
+        if m.slow and status != "ready" and (status.startswith("failed") or waited_out):
+            why = (
+                status.removeprefix("failed: ")
+                if status.startswith("failed")
+                else "no room on another node within scaling.resource_wait_s="
+                f"{self.cfg.scaling.resource_wait_s:g}s"
+            )
+            self.group.cancel_move()
+            self._move = None
+            self.events.append("slow_rank_move_failed", ranks=m.ranks, reason=why)
+            self._print(f"[{self.cfg.name}] slow rank(s) {m.ranks} stay where they are: {why}")
+            return
         if status == "ready":
             m.replaced = True
             self._stop_for(m)
@@ -827,7 +844,7 @@ class Driver:
 
     def _record_move(self, m: Move, infos: list[SetupInfo], t_ready: float) -> None:
         r = infos[0].resume
-        event = "preemption_move" if m.replaced else "resize"
+        event = ("slow_rank_moved" if m.slow else "preemption_move") if m.replaced else "resize"
         fields: dict[str, Any] = {
             "ranks": m.ranks,
             "from_nodes": sorted(m.nodes),
@@ -1261,6 +1278,38 @@ class Driver:
             host = self._rank_hosts[r.rank] if r.rank < len(self._rank_hosts) else ""
             self.events.append("slow_rank_cleared", rank=r.rank, host=host, step=step, attempt=self.attempt)
             self._print(f"[{name}] rank {r.rank} on {host} keeps pace again")
+        if became and self.cfg.failures.slow_rank_action == "move":
+            self._move_slow(became[0].rank, step)
+
+    def _move_slow(self, rank: int, step: int) -> None:
+        """``failures.slow_rank_action=move``: place a replacement for a slow rank on another node and let
+        the move machinery of drain notices take it there (prepared while training goes on, then a stop
+        between two steps and the state from a healthy rank). One move at a time; never during a stop, a
+        grow or another move."""
+        f = self.cfg.failures
+        if (
+            self.group is None
+            or self._move is not None
+            or self._stop_request is not None
+            or self._grow_at is not None
+            or self.world_size < 2
+            or rank >= len(self._rank_nodes)
+        ):
+            return
+        node = self._rank_nodes[rank]
+        self._slow_nodes.add(node)
+        via = "peers" if f.recover_from_peers and f.warm_restart else "checkpoint"
+        notice = DrainNotice(node, (rank,), None)
+        m = Move([notice], [rank], via, time.time(), None, nodes={node}, slow=True)
+        self.group.prepare_move([rank], avoid=sorted(self._slow_nodes))
+        m.prepared = True
+        self._move = m
+        host = self._rank_hosts[rank] if rank < len(self._rank_hosts) else ""
+        self.events.append("slow_rank_move", rank=rank, host=host, node=node, step=step, via=via)
+        self._print(
+            f"[{self.cfg.name}] moving slow rank {rank} off {host} (failures.slow_rank_action=move): placing "
+            "a replacement on another node while training goes on"
+        )
 
     def _evaluating(self, beats: list[Any]) -> int | None:
         """Eval batches the ranks have done since the step last moved (the live bar shows an evaluation's

@@ -111,8 +111,9 @@ class WorkerGroup(Protocol):
         """The drain notices (spot preemption) for nodes that hold ranks of this group."""
         ...
 
-    def prepare_move(self, ranks: list[int]) -> None:
-        """Start placing and preparing replacements for ``ranks`` on nodes that are not draining."""
+    def prepare_move(self, ranks: list[int], avoid: list[str] | None = None) -> None:
+        """Start placing and preparing replacements for ``ranks`` on nodes that are not draining and not in
+        ``avoid`` (node ids)."""
         ...
 
     def move_status(self) -> str:

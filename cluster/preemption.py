@@ -77,6 +77,9 @@ class Move:
     reason: str = ""
     """Why the ranks are not moved (no room in time), when they are not."""
     nodes: set[str] = field(default_factory=set)
+    slow: bool = False
+    """A move of a slow rank (``failures.slow_rank_action=move``), not of a draining node's: no deadline,
+    and when no replacement can be placed it is dropped, not turned into a checkpoint and a shrink."""
 
     @property
     def stopping(self) -> bool:

@@ -39,6 +39,14 @@ from cluster.worker import HOLD_STEPS, EpochResult, Heartbeat, SetupInfo, Worker
 
 logger = logging.getLogger(__name__)
 
+NODE_ID_LABEL = "ray.io/node-id"
+"""The label every Ray node carries with its id: a bundle's label selector keeps it off given nodes."""
+
+
+def avoid_selector(nodes: list[str], bundles: int) -> list[dict[str, str]]:
+    """``bundle_label_selector`` that keeps each of ``bundles`` bundles off ``nodes`` (Ray node ids)."""
+    return [{NODE_ID_LABEL: "!in(" + ",".join(nodes) + ")"}] * bundles
+
 
 class _WorkerActor:
     def __init__(self, cfg: JobConfig, rank: int, world_size: int, run_url: str, attempt: int) -> None:
@@ -322,12 +330,18 @@ class RayWorkerGroup:
                 out.append(DrainNotice(node_id, ranks, deadline))
         return out
 
-    def prepare_move(self, ranks: list[int]) -> None:
+    def prepare_move(self, ranks: list[int], avoid: list[str] | None = None) -> None:
         """Start replacements for ``ranks`` while training goes on: a placement group of their bundles
-        (Ray places none on a draining node; an autoscaler adds a node for it), an actor per rank, each
-        preparing its task and dataset. ``move_status`` says when they are ready."""
+        (Ray places none on a draining node, nor on the nodes in ``avoid``; an autoscaler adds a node for
+        it), an actor per rank, each preparing its task and dataset. ``move_status`` says when they are
+        ready."""
         self.cancel_move()
-        pg = placement_group([self.bundle()] * len(ranks), strategy=self.cfg.scaling.placement_strategy)
+        selector = avoid_selector(avoid, len(ranks)) if avoid else None
+        pg = placement_group(
+            [self.bundle()] * len(ranks),
+            strategy=self.cfg.scaling.placement_strategy,
+            bundle_label_selector=selector,
+        )
         self._move = _MoveInProgress(list(ranks), pg, pg.ready())
 
     def move_status(self) -> str:

@@ -238,3 +238,61 @@ def test_a_smaller_group_grows_back_in_the_middle_of_an_epoch(ray_cluster: Any, 
     assert any(e["step"] == grow[0]["at_step"] for e in events(run_url, "checkpoint"))
     sizes = audit(f"{tmp}/audit-grow", long_epochs // B, B, 2)
     assert set(sizes) == {1, 2} and sum(sizes.values()) == 2 * long_epochs // B
+
+
+def test_a_slow_rank_is_moved_to_another_node_between_two_steps(ray_cluster: Any, tmp_path: object) -> None:
+    """``failures.slow_rank_action=move``: rank 1 turns slow (the ``slow`` fault from step 10); the driver
+    names it, places a replacement on another node, prepares it while training goes on, and swaps it in
+    between two steps with rank 0's state: no failure, no step lost or trained twice. Two nodes of three
+    CPUs: PACK puts both ranks on one, which keeps a free CPU, where a placement that did not avoid the slow
+    node would put the replacement."""
+    for _ in range(2):
+        ray_cluster.add_node(num_cpus=3, resources={"trainer": 3})
+    ray_cluster.wait_for_nodes()
+    tmp = str(tmp_path)
+    run_url = f"{tmp}/runs/slow"
+    trainer, box = in_background(
+        tmp,
+        "slow",
+        "failures.hot_spare=false",
+        "failures.slow_rank_action=move",
+        "failures.slow_rank_ratio=1.2",  # 0.12 s of the task's own sleep + the fault's 0.05 s
+        "failures.inject=[{rank: 1, step: 10, kind: slow}]",
+        "failures.hang_timeout_s=20",  # a heartbeat a second
+    )
+    trainer.join(240)
+    assert "error" not in box, box.get("error")
+    result = box["result"]
+    assert result.status == "finished" and result.world_size == 2 and not result.failures
+    (slow,) = events(run_url, "slow_rank")
+    assert slow["rank"] == 1
+    (begun,) = events(run_url, "slow_rank_move")
+    (moved,) = events(run_url, "slow_rank_moved")
+    assert moved["ranks"] == [1] and moved["source"] == "peers" and moved["lost_steps"] == 0, moved
+    first, second = events(run_url, "group_started")
+    assert first["nodes"][0] == first["nodes"][1] == begun["node"]  # packed, with a CPU to spare
+    assert second["nodes"][1] != begun["node"]  # the replacement went to the other node
+    assert second["pids"][0] == first["pids"][0]  # rank 0 kept its process and state
+    assert not events(run_url, "failure") and not events(run_url, "recovered")
+    sizes = audit(f"{tmp}/audit-slow", STEPS, B, EPOCHS)
+    assert sizes == {2: EPOCHS * STEPS}
+    trained = sum(1 for name in os.listdir(f"{tmp}/audit-slow") for _ in open(f"{tmp}/audit-slow/{name}"))
+    assert trained == 2 * EPOCHS * STEPS  # every step once per rank
+
+    # Ray's scheduler may pick the other node by itself: show that the selector the move uses keeps a
+    # bundle off the nodes it names. A bundle of a whole node's trainer slots fits either node, and is
+    # placed on the one not avoided; with both avoided, nowhere.
+    import ray
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+    from cluster.worker_group import avoid_selector
+
+    slow_node, other = begun["node"], second["nodes"][1]
+    pg = placement_group([{"trainer": 3}], bundle_label_selector=avoid_selector([slow_node], 1))
+    assert ray.get(pg.ready(), timeout=30)
+    assert placement_group_table(pg)["bundles_to_node_id"][0] == other
+    remove_placement_group(pg)
+    nowhere = placement_group([{"trainer": 3}], bundle_label_selector=avoid_selector([slow_node, other], 1))
+    ready, _ = ray.wait([nowhere.ready()], timeout=3)
+    assert not ready
+    remove_placement_group(nowhere)

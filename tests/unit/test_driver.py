@@ -112,8 +112,8 @@ class ScriptedGroup:
         self.drain_reads = getattr(self, "drain_reads", 0) + 1
         return list(ScriptedGroup.drains)
 
-    def prepare_move(self, ranks: list[int]) -> None:
-        self.calls.append(f"prepare_move{ranks}")
+    def prepare_move(self, ranks: list[int], avoid: list[str] | None = None) -> None:
+        self.calls.append(f"prepare_move{ranks}" + (f" avoid={avoid}" if avoid else ""))
 
     def move_status(self) -> str:
         script = ScriptedGroup.move_script
@@ -978,3 +978,61 @@ def test_a_time_limit_stops_the_run_cleanly_and_one_not_reached_does_nothing() -
 
     driver, _ = make({0: ["busy", "busy"]}, ["training.time_limit_s=3600"])
     assert driver.run().status == "finished"
+
+
+# ------------------------------------------------------------------------------------ slow rank: move
+class SlowOne(ScriptedGroup):
+    """Rank 1's own part of each step is 3x the others' in every heartbeat; setup reports a node per rank."""
+
+    def heartbeats(self, timeout: float = 2.0) -> list[Heartbeat | None]:
+        from cluster.pace import Pace
+
+        slow = self.attempt == 0  # the replacement keeps pace
+        return [
+            Heartbeat(r, 1, 0.0, 0.01, True, pace=Pace(0.03 if (r == 1 and slow) else 0.01, 0.031, 8, 0.0))
+            for r in range(self.world_size)
+        ]
+
+    def start(self, world_size: int, peers: PeerPlan | None = None) -> list[SetupInfo]:
+        infos = super().start(world_size, peers)
+        return [dataclasses.replace(i, node_id=f"node-{i.rank}-a{self.attempt}") for i in infos]
+
+
+def test_a_slow_rank_is_moved_off_its_node_between_two_steps_when_asked_to() -> None:
+    driver, _ = make(
+        {0: ["busy"] * 8}, ["training.epochs=2", "failures.slow_rank_action=move"], group_cls=SlowOne
+    )
+    ScriptedGroup.move_script = ["placing", "preparing", "ready"]
+    result = driver.run()
+    assert result.status == "finished" and not result.failures
+    first, second = ScriptedGroup.instances
+    assert "prepare_move[1] avoid=['node-1-a0']" in first.calls  # never onto the slow node again
+    assert "stop(checkpoint=False)" in first.calls and "salvage_stopped[1] keep_state=True" in first.calls
+    assert second.peers is not None  # the replacement got the state from a healthy rank
+    ev = driver.events.records()
+    assert [e["rank"] for e in ev if e["event"] == "slow_rank"] == [1]
+    (begun,) = [e for e in ev if e["event"] == "slow_rank_move"]
+    assert begun["rank"] == 1 and begun["node"] == "node-1-a0" and begun["via"] == "peers"
+    (moved,) = [e for e in ev if e["event"] == "slow_rank_moved"]
+    assert moved["ranks"] == [1] and moved["lost_steps"] == 0 and moved["source"] == "peers"
+    assert not [e for e in ev if e["event"] in ("preemption_notice", "preemption_move", "failure")]
+
+
+def test_a_slow_rank_with_nowhere_to_go_stays_and_is_only_reported() -> None:
+    driver, _ = make(
+        {0: ["busy"] * 8},
+        ["training.epochs=2", "failures.slow_rank_action=move", "scaling.resource_wait_s=0.005"],
+        group_cls=SlowOne,
+    )
+    ScriptedGroup.move_script = ["placing"]  # never placed
+    result = driver.run()
+    assert result.status == "finished" and len(ScriptedGroup.instances) == 1  # no stop, no shrink
+    (group,) = ScriptedGroup.instances
+    assert "cancel_move" in group.calls and not any(c.startswith("stop(") for c in group.calls)
+    (failed,) = [e for e in driver.events.records() if e["event"] == "slow_rank_move_failed"]
+    assert failed["ranks"] == [1] and "no room on another node" in failed["reason"]
+
+    driver, _ = make({0: ["busy"] * 8}, ["training.epochs=2"], group_cls=SlowOne)  # the default: report
+    driver.run()
+    assert not any(c.startswith("prepare_move") for c in ScriptedGroup.instances[0].calls)
+    assert "slow_rank" in kinds(driver)
