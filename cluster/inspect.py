@@ -497,6 +497,8 @@ def report(storage: Storage, verify_all: bool = False) -> RunReport:
         "stopped",
         "stacks",
         "profile_requested",
+        "slow_rank_moved",
+        "slow_rank_move_failed",
     )
     table = read_metrics(storage)
     metric_rows = table.to_pylist()
@@ -832,6 +834,9 @@ WATCHED = (
     "preemption_move",
     "slow_rank",
     "slow_rank_cleared",
+    "slow_rank_move",
+    "slow_rank_moved",
+    "slow_rank_move_failed",
     "stacks",
     "profile_requested",
     "stop_requested",
