@@ -16,8 +16,9 @@ On a Ray cluster (the job's driver runs on the head; --working-dir ships this fo
         python -m jobs.train --config jobs/configs/gpt_gpu.yaml --set storage=s3://bucket/runs
 
 Exit status: 0 when training finished (or was already finished), 1 on a failed run, 2 on a bad config,
-130 when stopped before the end. The first Ctrl-C, `ray job stop` (SIGTERM) or `python -m cluster stop RUN`
-stops every rank at the next step with a checkpoint there: resubmitting resumes from it exactly. A second
+130 when stopped before the end. The first Ctrl-C, `ray job stop` (SIGTERM), `python -m cluster stop RUN`
+or `training.time_limit_s` running out stops every rank at the next step with a checkpoint there:
+resubmitting resumes from it exactly. A second
 signal kills the workers at once (committed checkpoints stay). `ray job stop` kills this driver 3 s after its
 SIGTERM unless the job's runtime_env sets RAY_JOB_STOP_WAIT_TIME_S higher: give it the time a checkpoint
 takes, e.g. --runtime-env-json '{"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "120"}}'.
