@@ -590,7 +590,7 @@ def _driver_text(d: dict[str, Any] | None) -> str:
     if d is None:
         return ""
     what = "ended" if d.get("ended") else f"{d.get('state')} at step {d.get('global_step')}"
-    return f" (driver on {d.get('host')}, pid {d.get('pid')}: {what}, heard of {d.get('age_s', 0):.0f}s ago)"
+    return f" (driver on {d.get('host')}, pid {d.get('pid')}: {what}, last heard from {_when(d.get('time'))})"
 
 
 def _when(t: Any) -> str:
