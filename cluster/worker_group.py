@@ -13,6 +13,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -580,7 +581,7 @@ class RayWorkerGroup:
             for r in alive:
                 self.actors[r].abort.remote()
         refs = [self._pending[r] for r in alive]
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=RELEASE_S)
+        done = wait_released(refs, lambda rs, n, t: ray.wait(rs, num_returns=n, timeout=t)[0])
         errors = self._errors(0.0)
         out = [r for r in alive if self._pending[r] in done and not isinstance(errors.get(r), RayActorError)]
         for r in alive:
@@ -851,7 +852,41 @@ def _check_same_code(codes: list[tuple[str, str]], nodes: list[tuple[str, str]])
 
 RELEASE_S = 10.0
 """Seconds the survivors of a failure get to leave the failed collective (and then to reset or report
-their state) before they are killed."""
+their state) before they are killed; while they keep coming out, up to ``RELEASE_MAX_S``
+(``wait_released``)."""
+RELEASE_MAX_S = 40.0
+"""The longest the survivors of one failure are waited for, however steadily they come out."""
+
+
+def wait_released(
+    refs: list[Any],
+    wait: Callable[[list[Any], int, float], list[Any]],
+    clock: Callable[[], float] = time.monotonic,
+) -> list[Any]:
+    """The survivors' calls that returned: wait ``RELEASE_S`` for all of them, and as long as one came out
+    in the last ``RELEASE_S``, go on waiting (at most ``RELEASE_MAX_S`` in all).
+
+    Survivors leave a failed collective in a cascade: each one's error closes its sockets, which fails the
+    peers still blocked on it. On a loaded host (many ranks per core) the cascade can outlast a fixed
+    wait, and a survivor cut off by it would be killed and replaced instead of kept. A survivor that is
+    really stuck stops the cascade, and is given up ``RELEASE_S`` after the last one came out."""
+    start = clock()
+    last_progress = start
+    done: list[Any] = []
+    while len(done) < len(refs):
+        now = clock()
+        until = min(last_progress + RELEASE_S, start + RELEASE_MAX_S)
+        if now >= until:
+            break
+        pending = [r for r in refs if r not in done]
+        got = wait(pending, 1, until - now)  # the next one out, or none before ``until``
+        if not got:
+            break
+        done += got
+        last_progress = clock()
+    return done
+
+
 NODE_DEAD_WAIT_S = 60.0
 """After a node loss, seconds to wait for Ray to declare the node dead (its health checks; Ray re-places a
 placement group's bundles only then) before waiting for room for its ranks."""

@@ -1,5 +1,6 @@
 """The run's control files without a job: the driver's beat (``driver.json``) and what `list`, `show` and
-the request commands make of it; stop, stacks and profile requests as files."""
+the request commands make of it; stop, stacks and profile requests as files; `watch`; and how long the
+survivors of a failure are waited for (``wait_released``, on a fake clock)."""
 
 from __future__ import annotations
 
@@ -131,3 +132,40 @@ def test_watch_prints_events_as_they_land_until_the_run_ends(
         "finished: 20 steps, loss 1.25",
     ]
     assert out[-1] == "the run is finished"
+
+
+# ---------------------------------------------------------------- survivors leaving a failed collective
+class Cascade:
+    """Survivors that come out of a failed collective at given seconds (None: never); a fake clock."""
+
+    def __init__(self, out_at: dict[str, float | None]) -> None:
+        self.out_at, self.now = out_at, 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def wait(self, refs: list[str], n: int, timeout: float) -> list[str]:
+        ready = sorted((t, r) for r in refs if (t := self.out_at[r]) is not None)
+        if ready and ready[0][0] <= self.now + timeout:
+            self.now = max(self.now, ready[0][0])
+            return [ready[0][1]]
+        self.now += timeout
+        return []
+
+
+def test_survivors_are_waited_for_while_they_keep_coming_out_and_not_longer() -> None:
+    from cluster.worker_group import RELEASE_MAX_S, RELEASE_S, wait_released
+
+    # a slow cascade: each survivor 6 s after the one before, 24 s in all (a fixed 10 s wait keeps 1)
+    c = Cascade({"a": 6.0, "b": 12.0, "c": 18.0, "d": 24.0})
+    assert wait_released(list(c.out_at), c.wait, c.clock) == ["a", "b", "c", "d"]
+    # one really stuck: given up RELEASE_S after the last one came out
+    c = Cascade({"a": 1.0, "b": 2.0, "stuck": None})
+    assert wait_released(list(c.out_at), c.wait, c.clock) == ["a", "b"] and c.now == 2.0 + RELEASE_S
+    # never past RELEASE_MAX_S, however steadily they come
+    c = Cascade({f"r{i}": 9.0 * (i + 1) for i in range(8)})
+    got = wait_released(list(c.out_at), c.wait, c.clock)
+    assert len(got) == int(RELEASE_MAX_S // 9.0) and c.now <= RELEASE_MAX_S
+    # none at all: the plain RELEASE_S
+    c = Cascade({"x": None})
+    assert wait_released(["x"], c.wait, c.clock) == [] and c.now == RELEASE_S
