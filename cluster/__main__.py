@@ -247,8 +247,7 @@ def _eval(args: argparse.Namespace, options: dict[str, Any]) -> int:
 def _stop(args: argparse.Namespace, options: dict[str, Any]) -> int:
     from cluster.control import write_stop_request
 
-    storage = inspect.open_run(args.url, args.name, options)
-    problem = _no_job(storage)
+    storage, problem = _running_run(args, options)
     if problem is not None:
         return _error(f"error: {problem}, nothing to stop", 2)
     req = write_stop_request(storage, args.reason)
@@ -280,8 +279,7 @@ def _stop(args: argparse.Namespace, options: dict[str, Any]) -> int:
 def _stacks(args: argparse.Namespace, options: dict[str, Any]) -> int:
     from cluster.control import write_stacks_request
 
-    storage = inspect.open_run(args.url, args.name, options)
-    problem = _no_job(storage)
+    storage, problem = _running_run(args, options)
     if problem is not None:
         return _error(f"error: {problem}", 2)
     req_id = write_stacks_request(storage)
@@ -312,8 +310,7 @@ def _profile(args: argparse.Namespace, options: dict[str, Any]) -> int:
         ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else None
     except ValueError:
         return _error(f"error: --ranks {args.ranks!r} must list rank numbers, e.g. 0,3", 2)
-    storage = inspect.open_run(args.url, args.name, options)
-    problem = _no_job(storage)
+    storage, problem = _running_run(args, options)
     if problem is not None:
         return _error(f"error: {problem}", 2)
     req_id = write_profile_request(storage, args.steps, ranks)
@@ -356,20 +353,22 @@ def _poll_until(wait_s: float, check: Callable[[], T | None], every_s: float = 0
         time.sleep(every_s)
 
 
-def _no_job(storage: Any) -> str | None:
-    """Why no job can answer a request to this run (it ended, or its driver is gone); None when one can."""
+def _running_run(args: argparse.Namespace, options: dict[str, Any]) -> tuple[Any, str | None]:
+    """The run a request command names, and why no job can answer a request to it (it ended, or its
+    driver is gone); None when one can."""
     from cluster.control import driver_seen
 
+    storage = inspect.open_run(args.url, args.name, options)
     status = inspect.live_status(storage, inspect.read_events(storage))
     if status == inspect.INTERRUPTED:
         seen = driver_seen(storage) or {}
-        return (
+        return storage, (
             f"{storage.root} is interrupted: its driver ({seen.get('host')}, pid {seen.get('pid')}) was last "
             f"heard of {seen.get('age_s', 0):.0f}s ago; no job is training it"
         )
     if status not in (inspect.RUNNING, inspect.UNFINISHED):
-        return f"{storage.root} is {status}: no job is training it"
-    return None
+        return storage, f"{storage.root} is {status}: no job is training it"
+    return storage, None
 
 
 def _error(text: str, code: int) -> int:
