@@ -214,10 +214,23 @@ class CheckpointStore:
         for step in self.steps_on_storage():
             if step in keep or step > newest:
                 continue
-            d = step_dir(step)
-            self.storage.rm(f"{d}/{MANIFEST}")
-            self.storage.rm(d, recursive=True)
+            self._delete(step)
             deleted.append(step)
+        return deleted
+
+    def _delete(self, step: int) -> None:
+        d = step_dir(step)
+        self.storage.rm(f"{d}/{MANIFEST}")  # first: a reader never sees a manifest without its files
+        self.storage.rm(d, recursive=True)
+
+    def discard_after(self, step: int) -> builtins.list[int]:
+        """Delete every checkpoint newer than ``step`` (manifest first, then files): after a rollback they
+        belong to a path the run no longer takes. Returns the deleted steps."""
+        deleted = []
+        for newer in self.steps_on_storage():
+            if newer > step:
+                self._delete(newer)
+                deleted.append(newer)
         return deleted
 
 

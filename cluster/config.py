@@ -114,6 +114,11 @@ class TrainingConfig:
     init_strict: bool = True
     """Every weight of the model must come from ``init_from``, shapes equal. ``false``: load the weights
     whose names and shapes match, keep the model's own init for the rest (a new head), and report both."""
+    skip_steps: list[int | str] = field(default_factory=list)
+    """Steps whose global batches are not trained: ``[1450, "1201-1300"]`` (inclusive; steps count optimizer
+    steps from 1). The data position, step count and learning-rate schedule move on as if trained (as
+    Megatron's skip ranges): resubmit with the batches of a loss spike skipped. The windows a NaN rollback
+    skipped (``failures.nan_skip_steps``) are added to these and kept in the run's checkpoints."""
 
 
 @dataclass
@@ -234,6 +239,11 @@ class FailureConfig:
     """Stop the run when training diverges: a NaN or infinite loss (read at log steps and epoch ends) ends it
     with an error naming the step, without retries (an exact resume would diverge again); weights that are
     not finite are never committed as a checkpoint, so the good ones are kept."""
+    nan_skip_steps: int = 0
+    """``0``: a NaN or infinite loss stops the run (``stop_on_nan``). ``N`` > 0: it rolls back instead, to
+    the newest checkpoint before the ``N`` steps that end at the first step whose loss was not finite, skips
+    those steps' batches (as ``training.skip_steps``) and trains on. Each rollback counts against
+    ``max_failures`` (docs/failures.md)."""
     inject: list[FaultSpec] = field(default_factory=list)
     """Faults to inject (see FaultSpec). The env var CLUSTER_INJECT_FAULT=``rank:step:kind`` adds one."""
 
@@ -264,6 +274,7 @@ class TrackingConfig:
             "early_stopped",
             "slow_rank",
             "preemption_notice",
+            "rollback",
         ]
     )
     """The events ``notify_url`` is told of (names as in the event log, docs/runs.md)."""
@@ -470,6 +481,38 @@ def from_dict(data: dict[str, Any]) -> JobConfig:
     return load_config(data=data)
 
 
+Window = tuple[int, int]
+"""Steps ``first``..``last`` (inclusive, 1-based optimizer steps) whose batches are skipped."""
+
+
+def skip_windows(entries: list[int | str], key: str = "training.skip_steps") -> list[Window]:
+    """``training.skip_steps`` as sorted, merged windows; ConfigError naming a malformed entry."""
+    windows: list[Window] = []
+    for i, entry in enumerate(entries):
+        text = str(entry).strip()
+        m = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", text)
+        first = int(m.group(1)) if m else 0
+        last = int(m.group(2)) if m and m.group(2) else first
+        if m is None or not 1 <= first <= last:
+            raise ConfigError(
+                f'{key}[{i}]={entry!r} is not a step or a range of steps; write 1450 or "1201-1300" '
+                "(inclusive, steps counted from 1, first <= last)"
+            )
+        windows.append((first, last))
+    return merge_windows(windows)
+
+
+def merge_windows(windows: list[Window]) -> list[Window]:
+    """Sorted, with overlapping or adjacent windows joined."""
+    out: list[Window] = []
+    for first, last in sorted(windows):
+        if out and first <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], last))
+        else:
+            out.append((first, last))
+    return out
+
+
 def validate(cfg: JobConfig) -> None:
     """Raise ConfigError naming the first impossible value and the fix."""
     if not _NAME_RE.match(cfg.name) or ".." in cfg.name:
@@ -556,6 +599,7 @@ def validate(cfg: JobConfig) -> None:
         )
     if t.prefetch < 1:
         raise ConfigError(f"training.prefetch={t.prefetch} must be at least 1 (batches ahead per loader)")
+    skip_windows(t.skip_steps)  # raises on a malformed entry
     if t.sync_batchnorm and not s.use_gpu:
         raise ConfigError(
             "training.sync_batchnorm=true needs scaling.use_gpu=true: torch's SyncBatchNorm runs only on "
@@ -608,6 +652,16 @@ def validate(cfg: JobConfig) -> None:
                 f"{f.process_group_timeout_s:g}: a hung collective would otherwise time out first and be "
                 "reported as a dead worker, not a hang. Lower it, or raise failures.process_group_timeout_s"
             )
+    if f.nan_skip_steps < 0:
+        raise ConfigError(
+            f"failures.nan_skip_steps={f.nan_skip_steps} must be 0 (a NaN loss stops the run) or the number "
+            "of steps to skip after rolling back"
+        )
+    if f.nan_skip_steps and not f.stop_on_nan:
+        raise ConfigError(
+            f"failures.nan_skip_steps={f.nan_skip_steps} rolls back on a NaN loss, but failures.stop_on_nan="
+            "false trains on regardless (and commits checkpoints of NaN weights); set one of the two"
+        )
     if f.preemption_margin_s < 0:
         raise ConfigError(
             f"failures.preemption_margin_s={f.preemption_margin_s} must be >= 0 (seconds before a drain's "

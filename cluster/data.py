@@ -110,6 +110,9 @@ class ResumableDistributedSampler(Sampler[torch.Tensor]):
         in row-group windows); default ``randperm``. Anything sliced like a 1-D index tensor."""
         self.epoch = 0
         self.start_step = 0
+        self.skip: frozenset[int] = frozenset()
+        """The epoch's steps (0-based, within it) whose batches are not trained (``training.skip_steps``):
+        still yielded, in place, so positions never shift; the loader processes leave them out."""
         self._perm: Any = None
         self._perm_key: tuple[int, int] | None = None  # (epoch, order) of _perm
 
@@ -119,8 +122,8 @@ class ResumableDistributedSampler(Sampler[torch.Tensor]):
         steps = self.num_samples // self.global_batch_size
         return min(steps, self.max_steps_per_epoch) if self.max_steps_per_epoch else steps
 
-    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
-        """Select the epoch's permutation and where in it to start (resume)."""
+    def set_epoch(self, epoch: int, start_step: int = 0, skip: frozenset[int] = frozenset()) -> None:
+        """Select the epoch's permutation, where in it to start (resume), and the steps to skip."""
         if not 0 <= start_step <= self.steps_per_epoch:
             raise ValueError(f"start_step={start_step} outside 0..{self.steps_per_epoch}")
         if self._perm is None or self._perm_key != (epoch, self.order):
@@ -134,6 +137,7 @@ class ResumableDistributedSampler(Sampler[torch.Tensor]):
             self._perm_key = (epoch, self.order)
         self.epoch = epoch
         self.start_step = start_step
+        self.skip = skip
 
     def global_batch(self, step: int) -> torch.Tensor:
         assert self._perm is not None, "call set_epoch first"
@@ -142,7 +146,7 @@ class ResumableDistributedSampler(Sampler[torch.Tensor]):
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         if self._perm is None or self._perm_key != (self.epoch, self.order):
-            self.set_epoch(self.epoch, self.start_step)
+            self.set_epoch(self.epoch, self.start_step, self.skip)
         for step in range(self.start_step, self.steps_per_epoch):
             yield self.global_batch(step)[self.rank :: self.world_size]
 
@@ -201,6 +205,8 @@ class MicroBatches(Sampler[tuple[Position, int, list[int]]]):
         if src is None:
             return
         for step, local_idx in enumerate(src, start=src.start_step):
+            if step in src.skip:
+                continue  # not trained: the training thread fetches nothing for it
             chunks = [c for c in torch.tensor_split(local_idx, self.grad_accum) if len(c)]
             for micro, chunk in enumerate(chunks):
                 pos = (src.epoch, step, micro)

@@ -29,7 +29,7 @@ def _default_text(text: str) -> str:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
         return text
-    dumped = yaml.safe_dump(value, default_flow_style=True).strip()
+    dumped = yaml.safe_dump(value, default_flow_style=True, width=1 << 20).strip()  # one table row
     return dumped.removesuffix("\n...").removesuffix("...").strip()
 
 

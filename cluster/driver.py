@@ -40,7 +40,7 @@ import torch
 from cluster import local_ray
 from cluster import stacks as stack_dump
 from cluster.checkpoint import CheckpointInfo, CheckpointStore, CommitRecord, step_dir
-from cluster.config import JobConfig, resolve_notify_url
+from cluster.config import JobConfig, Window, merge_windows, resolve_notify_url, skip_windows
 from cluster.control import (
     ANSWERED,
     PROFILE_FILE,
@@ -138,6 +138,9 @@ class Result:
     stop_reason: str | None = None
     """With status ``stopped``: who asked (``SIGINT``, ``SIGTERM``, ``python -m cluster stop by ...``). The
     ranks stopped at ``global_step`` with a checkpoint there; resubmitting the same job resumes from it."""
+    skipped_steps: list[tuple[int, int]] = field(default_factory=list)
+    """The run's skip windows (first and last step, inclusive): ``training.skip_steps`` and each NaN
+    rollback's (``failures.nan_skip_steps``). Their batches were not trained."""
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -199,6 +202,10 @@ class Driver:
         # The stop file is read without retries: an outage must never stall the loop that watches the ranks.
         self._control = Storage(self.run_url, cfg.storage.options, retries=0, retry_budget_s=0.0)
         self._control_error_logged = False
+        self.skips: list[Window] = skip_windows(
+            cfg.training.skip_steps
+        )  # and the checkpoints' and rollbacks'
+        self._rollback: Window | None = None  # the next start rolls back before it (after a NaN loss)
 
     # ------------------------------------------------------------------ public
     def request_stop(self, reason: str) -> None:
@@ -416,7 +423,7 @@ class Driver:
             )
             self._print(f"continuing with {n}/{target} workers (scaling.min_workers={minimum})")
         try:
-            infos = group.start(n, s.peers)
+            infos = group.start(n, s.peers, self.skips, self._rollback)
         except (ConfigError, StorageError) as exc:
             # e.g. workers import other code than the driver, or cannot see its storage (after the retry
             # budget): retrying cannot help. Raised in a worker, Ray wraps it with its traceback: the
@@ -441,6 +448,10 @@ class Driver:
         self.steps_per_epoch = head.steps_per_epoch
         r = head.resume
         self.epoch, self.global_step = r.epoch, r.global_step
+        self.skips = merge_windows([*self.skips, *r.skipped_steps])  # a checkpoint's (an earlier driver's)
+        if r.rollback is not None:
+            self._record_rollback(r.rollback, r.global_step)
+        self._rollback = None
         self._display = ProgressDisplay(self.steps_per_epoch * cfg.training.epochs, self.out)
         niceness = sorted({i.niceness for i in infos})
         self.events.append(
@@ -1116,6 +1127,11 @@ class Driver:
         timing.t_teardown = time.time()
         self._flush_rows(salvage.rows if salvage is not None else [])
         plan = self._peer_plan(failure, salvage, timing) if decision.restart else None
+        if decision.restart and _diverged(failure):
+            assert failure.error is not None  # _diverged
+            last = int(failure.error.detail["first_step"])
+            self._rollback = (max(1, last - self.cfg.failures.nan_skip_steps + 1), last)
+            self.skips = merge_windows([*self.skips, self._rollback])
         self.events.append(
             "decision",
             restart=decision.restart,
@@ -1145,11 +1161,38 @@ class Driver:
         self.attempt += 1
         return Starting(recovery=timing, salvage=salvage, peers=plan)
 
+    def _record_rollback(self, back: dict[str, Any], resume_step: int) -> None:
+        first, last = back["window"]
+        trained = max(first, resume_step + 1)  # the window's steps the resumed weights have not trained
+        self.events.append(
+            "rollback",
+            window=[first, last],
+            skipped=[trained, last],
+            checkpoint_step=back["checkpoint_step"],
+            discarded=back["discarded"],
+            resume_step=resume_step,
+        )
+        where = f"checkpoint step {resume_step}" if back["checkpoint_step"] is not None else "the run's start"
+        note = (
+            f" (the newer kept checkpoints leave none before step {first}: steps {first}-{trained - 1} stay "
+            "trained)"
+            if trained > first
+            else ""
+        )
+        gone = f"; deleted the newer checkpoints {back['discarded']}" if back["discarded"] else ""
+        self._print(
+            f"[{self.cfg.name}] rolled back to {where} after a loss that was not finite: the batches of "
+            f"steps {trained}-{last} are skipped{note}{gone}"
+        )
+
     def _peer_plan(
         self, failure: Failure, salvage: Salvage | None, timing: RecoveryTiming
     ) -> PeerPlan | None:
         """Whom to copy the state from, or None (checkpoint) with the reason in ``timing.fallback``."""
         if not self.cfg.failures.recover_from_peers:
+            return None
+        if _diverged(failure):
+            timing.fallback = "a loss that was not finite: no rank's weights can be trusted; rolling back"
             return None
         if failure.kind == "hang":
             timing.fallback = "a hang: the hung rank's memory is not trusted"
@@ -1392,6 +1435,7 @@ class Driver:
             slow_ranks=list(self._slow_reports),
             evaluation=self.last_eval,
             stopped_early=self.stopped_early,
+            skipped_steps=list(self.skips),
             stop_reason=self._stop_request.reason
             if isinstance(self.state, Stopped) and self._stop_request is not None
             else None,
@@ -1446,6 +1490,12 @@ def _phase_max(infos: list[SetupInfo]) -> dict[str, float]:
         for (_, t0), (name, t1) in itertools.pairwise(marks):
             out[name] = max(out.get(name, 0.0), round(t1 - t0, 3))
     return out
+
+
+def _diverged(failure: Failure) -> bool:
+    """A rank's loss was not finite (``DivergedError``), and it says where that began."""
+    e = failure.error
+    return e is not None and e.exc_type == "DivergedError" and bool(e.detail.get("first_step"))
 
 
 def _is_remote_error(exc: BaseException) -> bool:

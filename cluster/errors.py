@@ -34,8 +34,21 @@ class CheckpointError(ClusterError):
 
 
 class DivergedError(ClusterError):
-    """Training diverged: the loss became NaN or infinite. Retrying cannot help (a resume is exact, so it
-    would diverge at the same step); the message names the step and what to change."""
+    """Training diverged: the loss became NaN or infinite. Retrying as it was cannot help (a resume is
+    exact, so it would diverge at the same step); the message names the step and what to change.
+    ``first_step``: the first step whose loss was not finite, as far as this rank knows."""
+
+    def __init__(self, message: str, first_step: int | None = None) -> None:
+        super().__init__(message, first_step)
+        self.first_step = first_step
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+    @property
+    def detail(self) -> dict[str, Any]:
+        """What the driver needs besides the message (``WorkerError.detail``)."""
+        return {"first_step": self.first_step}
 
 
 class WorkerError(ClusterError):
@@ -45,13 +58,23 @@ class WorkerError(ClusterError):
     (same error, same step) from bad luck.
     """
 
-    def __init__(self, rank: int, step: int, exc_type: str, message: str, traceback: str) -> None:
-        super().__init__(rank, step, exc_type, message, traceback)
+    def __init__(
+        self,
+        rank: int,
+        step: int,
+        exc_type: str,
+        message: str,
+        traceback: str,
+        detail: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(rank, step, exc_type, message, traceback, detail)
         self.rank = rank
         self.step = step
         self.exc_type = exc_type
         self.message = message
         self.traceback = traceback
+        self.detail = detail or {}
+        """Structured facts of the original error (``DivergedError.detail``)."""
 
     def __str__(self) -> str:
         return (

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from cluster.checkpoint import CommitRecord
-from cluster.config import JobConfig
+from cluster.config import JobConfig, Window
 from cluster.errors import Failure
 from cluster.peer import PeerPlan, PeerState
 from cluster.preemption import DrainNotice
@@ -50,9 +50,16 @@ class WorkerGroup(Protocol):
         return how many. Raises ResourcesUnavailableError."""
         ...
 
-    def start(self, world_size: int, peers: PeerPlan | None = None) -> list[SetupInfo]:
+    def start(
+        self,
+        world_size: int,
+        peers: PeerPlan | None = None,
+        skips: list[Window] | None = None,
+        rollback: Window | None = None,
+    ) -> list[SetupInfo]:
         """Start (or adopt) the workers, rendezvous, set up every rank; one SetupInfo per rank, rank order.
-        With a peer plan, rank ``peers.source`` sends its state to the others instead of a checkpoint load."""
+        With a peer plan, rank ``peers.source`` sends its state to the others instead of a checkpoint load.
+        ``skips`` and ``rollback``: ``Worker.setup``'s."""
         ...
 
     def run_epoch(self, epoch: int, start_step: int, evaluate_first: bool = False) -> None:

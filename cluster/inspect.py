@@ -499,6 +499,7 @@ def report(storage: Storage, verify_all: bool = False) -> RunReport:
         "profile_requested",
         "slow_rank_moved",
         "slow_rank_move_failed",
+        "rollback",
     )
     table = read_metrics(storage)
     metric_rows = table.to_pylist()
@@ -694,6 +695,9 @@ def format_show(r: RunReport) -> str:
         out += [f"  {_when(p.time)}: {p.reason}" for p in r.preemptions if p.reason]
         out.append("  (SPARE_S: seconds left before the node's deadline when the ranks were off it)")
     for e in r.other_events:
+        if e.get("event") == "rollback":
+            out.append(f"  {_when(e.get('time'))} {rollback_text(e)}")
+            continue
         if e.get("event") == "stacks":  # where the ranks stood (a hang, or asked for): the file, the groups
             out.append(
                 f"  {_when(e.get('time'))} stacks ({e.get('kind')}, step {e.get('step')}): {e.get('path')}"
@@ -828,6 +832,7 @@ WATCHED = (
     "checkpoint_failed",
     "failure",
     "decision",
+    "rollback",
     "recovered",
     "resize",
     "preemption_notice",
@@ -872,6 +877,8 @@ def event_line(e: dict[str, Any]) -> str:
         return f"checkpoint at step {e.get('step')} ({human_bytes(int(e.get('bytes') or 0))})"
     if kind == "decision":
         return f"decision: {'restart' if e.get('restart') else 'give up'} ({e.get('reason')})"
+    if kind == "rollback":
+        return rollback_text(e)
     if kind == "stacks":
         where = "; ".join(
             f"ranks {ranges_text(g.get('ranks'))}: {g.get('where')}" for g in e.get("groups") or []
@@ -879,6 +886,15 @@ def event_line(e: dict[str, Any]) -> str:
         return f"stacks ({e.get('kind')}): {where} -> {e.get('path')}"
     text = notification_text(e)
     return text if len(text) <= 240 else text[:237] + "..."
+
+
+def rollback_text(e: dict[str, Any]) -> str:
+    """A NaN rollback (``failures.nan_skip_steps``) in one line."""
+    first, last = (e.get("skipped") or [None, None])[:2]
+    back = e.get("checkpoint_step")
+    where = f"checkpoint step {back}" if back is not None else "the run's start"
+    gone = f", deleted checkpoints {e['discarded']}" if e.get("discarded") else ""
+    return f"rollback after a loss that was not finite: to {where}, steps {first}-{last} skipped{gone}"
 
 
 def ranges_text(ranks: Any) -> str:

@@ -30,8 +30,11 @@ class FailurePolicy:
         """``history`` holds every failure so far, this one last; ``streak`` counts the failures since
         training last completed an epoch (default: all of them)."""
         count = len(history)
-        if failure.error is not None and failure.error.exc_type == "DivergedError":
-            return Decision(False, f"training diverged (rank {failure.error.rank}): {failure.error.message}")
+        e = failure.error
+        # with failures.nan_skip_steps, a NaN loss is a rollback past its batches, counted as any failure is
+        rollback = self.cfg.nan_skip_steps and e is not None and e.detail.get("first_step")
+        if e is not None and e.exc_type == "DivergedError" and not rollback:
+            return Decision(False, f"training diverged (rank {e.rank}): {e.message}")
         if failure.error is not None and failure.error.exc_type == "ConfigError":
             return Decision(
                 False,

@@ -539,6 +539,10 @@ def notification_text(r: dict[str, Any]) -> str:
             f"recovered from {r.get('kind')} ({r.get('source')}): {r.get('lost_steps')} steps lost, first "
             f"step {r.get('detect_to_first_step_s')}s after detection"
         )
+    if kind == "rollback":
+        from cluster.inspect import rollback_text
+
+        return rollback_text(r)
     if kind == "preemption_notice":
         node = str(r.get("node"))[:12]
         return f"node {node} (ranks {r.get('ranks')}) is draining: {r.get('seconds_left')}s left"

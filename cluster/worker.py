@@ -15,6 +15,7 @@ the same world size.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import math
@@ -25,6 +26,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
@@ -37,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from cluster import dist as cdist
 from cluster import stacks as stack_dump
 from cluster.checkpoint import CheckpointStore, CheckpointWriter, CommitRecord, step_dir
-from cluster.config import FaultSpec, JobConfig, parse_fault_env
+from cluster.config import FaultSpec, JobConfig, Window, merge_windows, parse_fault_env, skip_windows
 from cluster.data import (
     LEGACY_ORDER,
     ORDERS,
@@ -89,11 +91,18 @@ class TrainState:
     """The best evaluation so far by ``checkpoint.best_metric``: ``value`` and ``step``, ``since`` (the
     evaluations after it, for ``evaluation.patience``) and ``last`` (the step of the latest one counted), so
     that a resumed run checkpoints only evaluations better than every earlier one, and stops as early."""
+    skipped_steps: list[list[int]] = field(default_factory=list)
+    """The run's skip windows (``training.skip_steps`` and NaN rollbacks), ``[first, last]`` each: a resumed
+    run skips the same batches, also when the driver that rolled back is gone."""
 
     # Keys that checkpoints written by earlier versions carry and that resume does not need.
     LEGACY_KEYS = frozenset({"sample_offset", "rng"})
     # Fields that checkpoints written by earlier versions lack, with the value that reproduces what they did.
-    OLD_DEFAULTS: ClassVar[dict[str, Any]] = {"sampler_order": LEGACY_ORDER, "best_eval": None}
+    OLD_DEFAULTS: ClassVar[dict[str, Any]] = {
+        "sampler_order": LEGACY_ORDER,
+        "best_eval": None,
+        "skipped_steps": [],
+    }
 
     def state_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -120,6 +129,7 @@ class TrainState:
             scheduler=state["scheduler"],
             sampler_order=_sampler_order(state["sampler_order"], where),
             best_eval=state["best_eval"],
+            skipped_steps=[[int(a), int(b)] for a, b in state["skipped_steps"]],
         )
 
 
@@ -152,6 +162,11 @@ class ResumePoint:
     init_from: dict[str, Any] | None = None
     """A fresh start's weights from another run (``training.init_from``): its checkpoint's ``url`` and
     ``step``, how many tensors were ``loaded``, and the names that ``kept_init`` (``init_strict=false``)."""
+    skipped_steps: list[Window] = field(default_factory=list)
+    """Every window of steps the run skips from here on (the driver's and the checkpoint's)."""
+    rollback: dict[str, Any] | None = None
+    """A restart after a NaN loss: the ``window`` asked to be skipped, the ``checkpoint_step`` resumed from
+    (None: the run's start), and the newer checkpoints ``discarded`` (they trained the skipped batches)."""
 
 
 @dataclass
@@ -213,6 +228,9 @@ class EpochResult:
     commits: list[CommitRecord] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     """This rank's mean over the epoch's steps of each extra metric ``Task.compute_loss`` returned."""
+    skipped: int = 0
+    """Steps of the epoch whose batches were skipped (``training.skip_steps``, NaN rollbacks): not in
+    ``steps``."""
     stopped: bool = False
     """The driver stopped the epoch before its end (``Worker.stop_at``); ``global_step`` is where."""
     early_stopped: bool = False
@@ -316,6 +334,8 @@ class Worker:
         self._profiler: StepProfiler | None = None  # made by the first ``profile`` request
         self._eval_loader: EvalLoader | None = None  # the eval set's loader processes, once started
         self._best_at: int | None = None  # the step of an evaluation that became the best: checkpoint it
+        self.skips: list[Window] = skip_windows(cfg.training.skip_steps)  # and the driver's, per setup
+        self._first_bad: torch.Tensor | None = None  # on the device: the first step with a non-finite loss
         self.gpu_index = 0  # this rank's GPU among the visible ones (``use_gpus``)
         self.faults = self._faults()
         self._pace = StepPace()
@@ -383,13 +403,24 @@ class Worker:
             )
             self._connect_marks = {"connect": t0, "connected": time.time()}
 
-    def setup(self, host: str, port: int, peers: PeerPlan | None = None) -> TrainSession:
+    def setup(
+        self,
+        host: str,
+        port: int,
+        peers: PeerPlan | None = None,
+        skips: list[Window] | None = None,
+        rollback: Window | None = None,
+    ) -> TrainSession:
         """Join the process group, build (or keep) model and optimizer, and take the state to resume from:
         from rank ``peers.source`` over the new group when a peer plan is given (a survivor keeps its own
-        model and optimizer), else from the newest verified checkpoint."""
+        model and optimizer), else from the newest verified checkpoint: with ``rollback`` (after a NaN loss),
+        the newest before that window. ``skips``: the driver's skip windows (the run's checkpoint adds its
+        own)."""
         t = {**self._connect_marks, "start": time.time()}  # ``connect``'s, when it ran
         self._connect_marks = {}
         cfg = self.cfg
+        self.skips = merge_windows([*skip_windows(cfg.training.skip_steps), *(skips or [])])
+        self._first_bad = None  # a non-finite loss of an earlier group's path is not this one's
         kept, self._kept = self._kept, None
         if peers is None and kept is not None:
             self._discard(kept)  # the driver chose the checkpoint: the survivor's state is not used
@@ -458,7 +489,7 @@ class Worker:
             optimizer = self._build_optimizer(raw_model)
             scheduler = task.build_scheduler(optimizer, sampler.steps_per_epoch * cfg.training.epochs)
             t["ddp"] = time.time()
-            resume, skipped = self._resume(ckpt_store, raw_model, optimizer, scheduler)
+            resume, skipped = self._resume(ckpt_store, raw_model, optimizer, scheduler, rollback)
             t["checkpoint_load"] = time.time()
         sampler.order = self.sampler_order  # the resumed run's (a new run's when nothing was resumed)
         writer = kept.writer if kept is not None else None  # rank 0's upload in flight carries on
@@ -612,6 +643,7 @@ class Worker:
             scheduler=scheduler.state_dict() if scheduler is not None else None,
             sampler_order=self.sampler_order,
             best_eval=self._best.state,
+            skipped_steps=[list(w) for w in self.skips],
         )
 
     def release(self, rank: int, world_size: int, attempt: int) -> PeerState | None:
@@ -693,26 +725,34 @@ class Worker:
         raw_model: nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: Scheduler | None,
+        rollback: Window | None = None,
     ) -> tuple[ResumePoint, list[tuple[int, str]]]:
-        """Rank 0 picks the newest verified checkpoint; every rank loads that one step."""
+        """Rank 0 picks the newest verified checkpoint (with ``rollback``: :meth:`_rollback_point`); every
+        rank loads that one step."""
         t0 = time.perf_counter()
-        choice: list[Any] = [None, [], 0]
+        choice: list[Any] = [None, [], 0, None]
         files: dict[str, Any] | None = None
         if self.rank == 0:
-            loaded = store.load_latest()  # records what it passed over in store.last_skipped
+            if rollback is None:
+                loaded = store.load_latest()  # records what it passed over in store.last_skipped
+                back = None
+            else:
+                loaded, back = self._rollback_point(store, rollback)
             choice = [
                 loaded.info.step if loaded else None,
                 list(store.last_skipped),
                 loaded.info.total_bytes if loaded else 0,
+                back,
             ]
             files = loaded.files if loaded else None
         dist.broadcast_object_list(choice, src=0)
-        step, skipped, nbytes = choice
+        step, skipped, nbytes, back = choice
         if step is None:
             self.sampler_order = TORCH_ORDER
             self._best.state = None
             init = self._init_from(raw_model) if self.cfg.training.init_from else None
-            return ResumePoint(0, 0, 0, None, init_from=init, transfer_s=time.perf_counter() - t0), skipped
+            fresh = ResumePoint(0, 0, 0, None, init_from=init, transfer_s=time.perf_counter() - t0)
+            return dataclasses.replace(fresh, skipped_steps=list(self.skips), rollback=back), skipped
         if files is None:
             files = store.load_step(step)
         url = store.storage.url(step_dir(step))
@@ -729,6 +769,7 @@ class Worker:
         self.global_step, self.epoch, self.step_in_epoch = state.global_step, state.epoch, state.step_in_epoch
         self.sampler_order = state.sampler_order
         self._best.state = state.best_eval
+        self.skips = merge_windows([*self.skips, *((a, b) for a, b in state.skipped_steps)])
         self._last_checkpoint = state.global_step  # it exists: an evaluation here never writes it again
         return ResumePoint(
             state.global_step,
@@ -739,7 +780,30 @@ class Worker:
             source="checkpoint",
             nbytes=int(nbytes),
             transfer_s=time.perf_counter() - t0,
+            skipped_steps=list(self.skips),
+            rollback=back,
         ), skipped
+
+    def _rollback_point(self, store: CheckpointStore, window: Window) -> tuple[Any, dict[str, Any]]:
+        """Rank 0, restarting after a NaN loss whose steps ``window`` will be skipped: the newest verified
+        checkpoint before the window, so that none of its batches is in the weights; when the newer ones
+        kept (``checkpoint.keep_last``) leave none there, the newest before the window's last step (only the
+        steps after it are skipped, then); none: the run's start. Every newer checkpoint is deleted: it
+        trained batches now skipped, and a later recovery must never resume from it."""
+        first, last = window
+        loaded = store.load_latest(max_step=first - 1)
+        passed = list(store.last_skipped)
+        if loaded is None and any(i.step < last for i in store.list()):
+            loaded = store.load_latest(max_step=last - 1)
+            passed += store.last_skipped
+        store.last_skipped = passed
+        resume_step = loaded.info.step if loaded is not None else 0
+        discarded = store.discard_after(resume_step)
+        return loaded, {
+            "window": list(window),
+            "checkpoint_step": resume_step if loaded else None,
+            "discarded": discarded,
+        }
 
     def _init_from(self, raw_model: nn.Module) -> dict[str, Any]:
         """A new run's weights from another run's checkpoint (``training.init_from``): rank 0 picks the
@@ -786,7 +850,12 @@ class Worker:
             err = exc.with_traceback(None)
         except Exception as exc:
             err = WorkerError(
-                self.rank, self.global_step + 1, type(exc).__name__, str(exc), traceback.format_exc()
+                self.rank,
+                self.global_step + 1,
+                type(exc).__name__,
+                str(exc),
+                traceback.format_exc(),
+                getattr(exc, "detail", None) if isinstance(exc, DivergedError) else None,
             )
         finally:
             self._in_epoch = False
@@ -826,7 +895,7 @@ class Worker:
     ) -> EpochResult:
         tcfg = self.cfg.training
         set_niceness(self.cfg.scaling.worker_niceness)  # threads Ray started since (a few syscalls)
-        s.sampler.set_epoch(epoch, start_step)
+        s.sampler.set_epoch(epoch, start_step, self._skipped_in_epoch(start_step, s.sampler.steps_per_epoch))
         self.inputs.start_epoch(s.sampler, s.device)
         self.epoch, self.step_in_epoch = epoch, start_step
         s.model.train()
@@ -837,7 +906,7 @@ class Worker:
         metric_sums: dict[str, Any] = {}
         t_epoch = time.perf_counter()
         first_step_at = None
-        steps = samples = 0
+        steps = samples = skipped = 0
         stopped = False
         early = False  # early stopping (evaluation.patience): the run ends at this step
         if evaluate_first and self._eval_dataset is not None:
@@ -849,34 +918,40 @@ class Worker:
             if self._stop.dispatch == dispatch and self._stopping(dispatch):
                 stopped = True
                 break
-            self._maybe_inject_fault()
-            t0 = time.perf_counter()
-            self._pace.begin()
-            if self._fault_from("slow"):
-                time.sleep(SLOW_FAULT_S)
-            self._seed_step(s, _step_seed(tcfg.seed, self.global_step, self.rank))
-            self.task.current = StepInfo(
-                epoch, self.global_step + 1, self.rank, self.world_size, self.attempt
-            )
-            if self._profiler is not None:
-                self._profiler.before_step(s.device)
-            loss, metrics = self._train_step(s, local_idx)
-            self.global_step += 1
-            if self._profiler is not None:
-                self._profiler.after_step(self.global_step)
-            self.step_in_epoch += 1
-            steps += 1
-            samples += tcfg.global_batch_size
-            loss_sum += loss
-            for k, v in metrics.items():
-                metric_sums[k] = metric_sums.get(k, 0.0) + v
-            dt = time.perf_counter() - t0
-            self._pace.end(dt)
-            now = time.time()
-            if first_step_at is None:
-                first_step_at = now
-            self._max_step_time = max(self._max_step_time, dt)
-            self._last_step_at = now
+            loss: torch.Tensor | None = None
+            if self.step_in_epoch in s.sampler.skip:
+                self._skip_step(s)
+                skipped += 1
+            else:
+                self._maybe_inject_fault()
+                t0 = time.perf_counter()
+                self._pace.begin()
+                if self._fault_from("slow"):
+                    time.sleep(SLOW_FAULT_S)
+                self._seed_step(s, _step_seed(tcfg.seed, self.global_step, self.rank))
+                self.task.current = StepInfo(
+                    epoch, self.global_step + 1, self.rank, self.world_size, self.attempt
+                )
+                if self._profiler is not None:
+                    self._profiler.before_step(s.device)
+                loss, metrics = self._train_step(s, local_idx)
+                self.global_step += 1
+                if self._profiler is not None:
+                    self._profiler.after_step(self.global_step)
+                self.step_in_epoch += 1
+                steps += 1
+                samples += tcfg.global_batch_size
+                loss_sum += loss
+                self._track_finite(loss)
+                for k, v in metrics.items():
+                    metric_sums[k] = metric_sums.get(k, 0.0) + v
+                dt = time.perf_counter() - t0
+                self._pace.end(dt)
+                now = time.time()
+                if first_step_at is None:
+                    first_step_at = now
+                self._max_step_time = max(self._max_step_time, dt)
+                self._last_step_at = now
             stall = 0.0
             mid_epoch = self.step_in_epoch < s.sampler.steps_per_epoch  # the epoch's end evaluates below
             if self._eval_dataset is not None and mid_epoch and self._eval_due(s):
@@ -884,7 +959,11 @@ class Worker:
                 early = self._early_stop_due()
             if self._checkpoint_due_at_step(s) or (mid_epoch and (self._best_due() or early)):
                 stall = self._checkpoint(s)
-            if self.rank == 0 and (self.global_step % tcfg.log_every_steps == 0 or stall):
+            if (
+                loss is not None
+                and self.rank == 0
+                and (self.global_step % tcfg.log_every_steps == 0 or stall)
+            ):
                 row = self._step_row(s, loss, metrics, dt, stall, now)
                 self._rows.append(row)
                 self._check_finite(row["loss"])
@@ -911,6 +990,11 @@ class Worker:
             totals = totals.to(s.device)
         dist.all_reduce(totals)
         mean_loss = float(totals[0]) / max(float(totals[1]), 1.0)
+        if not math.isfinite(mean_loss) and self._first_bad is not None:
+            # the same on every rank, so every rank takes part: the first non-finite step of any rank
+            first = torch.where(self._first_bad < 0, torch.iinfo(torch.int64).max, self._first_bad)
+            dist.all_reduce(first, op=dist.ReduceOp.MIN)
+            self._first_bad = first
         self._check_finite(mean_loss, "the epoch's mean loss")  # the same on every rank: all stop
         return EpochResult(
             rank=self.rank,
@@ -918,6 +1002,7 @@ class Worker:
             global_step=self.global_step,
             steps=steps,
             samples=samples,
+            skipped=skipped,
             loss=mean_loss,
             seconds=time.perf_counter() - t_epoch,
             first_step_at=first_step_at,
@@ -929,16 +1014,55 @@ class Worker:
             best=dict(self._best.state) if early and self._best.state is not None else None,
         )
 
+    def _skipped_in_epoch(self, start_step: int, steps_per_epoch: int) -> frozenset[int]:
+        """The steps of the epoch starting here (0-based within it) that ``self.skips`` names."""
+        before = self.global_step - start_step  # global steps done before the epoch's first
+        out: set[int] = set()
+        for first, last in self.skips:
+            out.update(range(max(start_step, first - before - 1), min(steps_per_epoch, last - before)))
+        return frozenset(out)
+
+    def _skip_step(self, s: TrainSession) -> None:
+        """A skipped step: no batch, no forward, no update; the step count and the learning-rate schedule
+        move on as if it had trained, on every rank alike (no collective)."""
+        self.global_step += 1
+        self.step_in_epoch += 1
+        if s.scheduler is not None:
+            with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": meant here
+                warnings.simplefilter("ignore", UserWarning)
+                s.scheduler.step()
+        self._last_step_at = time.time()
+
+    def _track_finite(self, loss: torch.Tensor) -> None:
+        """Keep, on the device (no sync), the first step whose loss was not finite: read only when a log
+        step or the epoch's end finds one (``_check_finite``), to name where the divergence began."""
+        if not self.cfg.failures.stop_on_nan:
+            return
+        if self._first_bad is None:
+            self._first_bad = torch.full((), -1, dtype=torch.int64, device=loss.device)
+        new = torch.logical_and(self._first_bad < 0, torch.logical_not(torch.isfinite(loss)))
+        self._first_bad = torch.where(new, self.global_step, self._first_bad)
+
     def _check_finite(self, loss: float, what: str = "the loss") -> None:
-        """Stop a diverged run (``failures.stop_on_nan``): a NaN or infinite loss fails it at once."""
+        """Stop a diverged run (``failures.stop_on_nan``): a NaN or infinite loss fails it at once, naming
+        the first step whose loss was not finite (``DivergedError.first_step``; the driver rolls back from
+        it with ``failures.nan_skip_steps``)."""
         if math.isfinite(loss) or not self.cfg.failures.stop_on_nan:
             return
-        raise DivergedError(
-            f"{what} is {loss} at step {self.global_step}. Checkpoints of weights that are not finite are "
-            "never committed, so a resubmission resumes from the newest good one; an exact resume would "
-            "diverge here again, so first lower the learning rate, set training.grad_clip, or look at the "
-            "data of the steps before it (failures.stop_on_nan=false trains on regardless)"
-        )
+        first = int(self._first_bad) if self._first_bad is not None else -1
+        first = first if 0 < first <= self.global_step else self.global_step
+        since = f" (the first loss not finite was step {first}'s)" if first != self.global_step else ""
+        if self.cfg.failures.nan_skip_steps:
+            fix = f"rolling back to skip the {self.cfg.failures.nan_skip_steps} steps ending at step {first}"
+        else:
+            fix = (
+                "Checkpoints of weights that are not finite are never committed, so a resubmission resumes "
+                "from the newest good one; an exact resume would diverge here again, so first lower the "
+                "learning rate, set training.grad_clip, skip the batches (training.skip_steps, or "
+                "failures.nan_skip_steps to roll back by itself) or look at the data of the steps before it "
+                "(failures.stop_on_nan=false trains on regardless)"
+            )
+        raise DivergedError(f"{what} is {loss} at step {self.global_step}{since}. {fix}", first_step=first)
 
     def _seed_step(self, s: TrainSession, seed: int) -> None:
         # The generators this rank uses, directly: torch.manual_seed also walks every backend.
@@ -1128,6 +1252,7 @@ class Worker:
             scheduler=s.scheduler.state_dict() if s.scheduler is not None else None,
             sampler_order=self.sampler_order,
             best_eval=self._best.state,
+            skipped_steps=[list(w) for w in self.skips],
         )
 
     def _checkpoint(self, s: TrainSession) -> float:

@@ -29,7 +29,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.checkpoint import CommitRecord
-from cluster.config import JobConfig
+from cluster.config import JobConfig, Window
 from cluster.dist import share_gpus, store_host
 from cluster.errors import ConfigError, Failure, ResourcesUnavailableError, WorkerError, device_broken
 from cluster.group import Salvage
@@ -80,8 +80,15 @@ class _WorkerActor:
     def connect(self, host: str, port: int) -> None:
         self.worker.connect(host, port)
 
-    def setup(self, host: str, port: int, peers: PeerPlan | None = None) -> SetupInfo:
-        return self.worker.setup(host, port, peers).info
+    def setup(
+        self,
+        host: str,
+        port: int,
+        peers: PeerPlan | None = None,
+        skips: list[Window] | None = None,
+        rollback: Window | None = None,
+    ) -> SetupInfo:
+        return self.worker.setup(host, port, peers, skips, rollback).info
 
     def run_epoch(
         self, epoch: int, start_step: int, dispatch: int = 0, evaluate_first: bool = False
@@ -191,9 +198,16 @@ class RayWorkerGroup:
         )
 
     # --------------------------------------------------------------- lifecycle
-    def start(self, world_size: int, peers: PeerPlan | None = None) -> list[SetupInfo]:
+    def start(
+        self,
+        world_size: int,
+        peers: PeerPlan | None = None,
+        skips: list[Window] | None = None,
+        rollback: Window | None = None,
+    ) -> list[SetupInfo]:
         """Create the actors in the reserved placement group, rendezvous, set up every rank (taking the
-        state from rank ``peers.source`` when a peer plan is given)."""
+        state from rank ``peers.source`` when a peer plan is given; ``skips`` and ``rollback``: as
+        ``Worker.setup``'s)."""
         assert self.slots, "reserve() first"
         self.world_size = world_size
         cls = ray.remote(_WorkerActor)
@@ -216,7 +230,7 @@ class RayWorkerGroup:
         for wave in connect_waves(world_size):
             self._get([self.actors[r].connect.remote(hosts[r], port) for r in wave], timeout)
         infos: list[SetupInfo] = self._get(
-            [a.setup.remote(h, port, peers) for a, h in zip(self.actors, hosts)], timeout
+            [a.setup.remote(h, port, peers, skips, rollback) for a, h in zip(self.actors, hosts)], timeout
         )
         for info, (node_id, _) in zip(infos, self.nodes):
             info.node_id = node_id

@@ -13,7 +13,8 @@ from cluster import Task, TensorBatchDataset
 
 
 class AuditTask(Task):
-    """task_args: audit_dir (required), samples (512), features (8), step_sleep_s (0.0)."""
+    """task_args: audit_dir (required), samples (512), features (8), step_sleep_s (0.0), nan_ids ([]: sample
+    ids whose batch's loss is NaN, as a corrupt sample's would be)."""
 
     def build_model(self) -> nn.Module:
         f = int(self.args.get("features", 8))
@@ -50,7 +51,10 @@ class AuditTask(Task):
             import time
 
             time.sleep(sleep)
-        return nn.functional.cross_entropy(model(x), y), {}
+        loss = nn.functional.cross_entropy(model(x), y)
+        if set(ids.tolist()) & set(self.args.get("nan_ids", [])):
+            loss = loss * float("nan")
+        return loss, {}
 
 
 def audit(audit_dir: str, steps_per_epoch: int, global_batch: int, epochs: int) -> dict[int, int]:

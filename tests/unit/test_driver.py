@@ -66,9 +66,16 @@ class ScriptedGroup:
                 return n
         raise ResourcesUnavailableError(f"no room for {sizes[-1]} workers")
 
-    def start(self, world_size: int, peers: PeerPlan | None = None) -> list[SetupInfo]:
+    def start(
+        self,
+        world_size: int,
+        peers: PeerPlan | None = None,
+        skips: list[tuple[int, int]] | None = None,
+        rollback: tuple[int, int] | None = None,
+    ) -> list[SetupInfo]:
         self.world_size = world_size
         self.peers = peers
+        self.skips, self.rollback = skips, rollback
         step = self.resume.get(self.attempt, 0)
         rp = ResumePoint(step, step // STEPS, step % STEPS, None)
         if peers is not None:
@@ -993,8 +1000,14 @@ class SlowOne(ScriptedGroup):
             for r in range(self.world_size)
         ]
 
-    def start(self, world_size: int, peers: PeerPlan | None = None) -> list[SetupInfo]:
-        infos = super().start(world_size, peers)
+    def start(
+        self,
+        world_size: int,
+        peers: PeerPlan | None = None,
+        skips: list[tuple[int, int]] | None = None,
+        rollback: tuple[int, int] | None = None,
+    ) -> list[SetupInfo]:
+        infos = super().start(world_size, peers, skips, rollback)
         return [dataclasses.replace(i, node_id=f"node-{i.rank}-a{self.attempt}") for i in infos]
 
 
