@@ -295,6 +295,17 @@ def _peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # Linux: KiB
 
 
+def steps_to_skip(
+    windows: list[Window], before: int, start_step: int, steps_per_epoch: int
+) -> frozenset[int]:
+    """The steps of an epoch (0-based within it, from ``start_step`` on) that ``windows`` (global steps,
+    1-based) name, ``before`` global steps having been done before the epoch's first."""
+    out: set[int] = set()
+    for first, last in windows:
+        out.update(range(max(start_step, first - before - 1), min(steps_per_epoch, last - before)))
+    return frozenset(out)
+
+
 def _step_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 7_919 + rank * 104_729) % (2**63 - 1)
 
@@ -895,7 +906,9 @@ class Worker:
     ) -> EpochResult:
         tcfg = self.cfg.training
         set_niceness(self.cfg.scaling.worker_niceness)  # threads Ray started since (a few syscalls)
-        s.sampler.set_epoch(epoch, start_step, self._skipped_in_epoch(start_step, s.sampler.steps_per_epoch))
+        before = self.global_step - start_step  # global steps done before the epoch's first
+        skip = steps_to_skip(self.skips, before, start_step, s.sampler.steps_per_epoch)
+        s.sampler.set_epoch(epoch, start_step, skip)
         self.inputs.start_epoch(s.sampler, s.device)
         self.epoch, self.step_in_epoch = epoch, start_step
         s.model.train()
@@ -1013,14 +1026,6 @@ class Worker:
             early_stopped=early,
             best=dict(self._best.state) if early and self._best.state is not None else None,
         )
-
-    def _skipped_in_epoch(self, start_step: int, steps_per_epoch: int) -> frozenset[int]:
-        """The steps of the epoch starting here (0-based within it) that ``self.skips`` names."""
-        before = self.global_step - start_step  # global steps done before the epoch's first
-        out: set[int] = set()
-        for first, last in self.skips:
-            out.update(range(max(start_step, first - before - 1), min(steps_per_epoch, last - before)))
-        return frozenset(out)
 
     def _skip_step(self, s: TrainSession) -> None:
         """A skipped step: no batch, no forward, no update; the step count and the learning-rate schedule

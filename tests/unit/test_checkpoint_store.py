@@ -182,3 +182,13 @@ def test_weights_that_are_not_finite_are_never_committed_and_the_good_ones_are_k
     lenient = CheckpointWriter(store, keep_last=1, async_save=False, refuse_nonfinite=False)
     lenient.save(20, 0, {}, {"model.pt": {"w": torch.tensor([float("nan")])}})  # failures.stop_on_nan=false
     assert lenient.drain()[0].error is None and [i.step for i in store.list()] == [20]
+
+
+def test_discard_after_deletes_every_newer_step_folder_committed_or_torn(store: CheckpointStore) -> None:
+    for step in (4, 8, 10):
+        commit(store, step)
+    store.storage.write_bytes(f"{step_dir(12)}/model.pt", b"torn")  # a write cut short: no manifest
+    assert store.discard_after(8) == [10, 12]
+    assert store.steps_on_storage() == [4, 8]
+    assert [i.step for i in store.list()] == [4, 8]
+    assert store.discard_after(8) == []

@@ -47,6 +47,15 @@ BAD = [
     (["training.loader_workers=-1"], "training.loader_workers=-1 must be 0 (fetch in the training thread)"),
     (["training.prefetch=0"], "training.prefetch=0 must be at least 1"),
     (["checkpoint.keep_last=0"], "checkpoint.keep_last=0 must be at least 1"),
+    (["training.skip_steps=[12-10]"], "training.skip_steps[0]='12-10' is not a step or a range of steps"),
+    (["training.skip_steps=[5, 0]"], "training.skip_steps[1]=0 is not a step or a range of steps"),
+    (["training.skip_steps=[ten]"], 'write 1450 or "1201-1300"'),
+    (["training.skip_steps=7"], "training.skip_steps must be a list"),
+    (["failures.nan_skip_steps=-1"], "failures.nan_skip_steps=-1 must be 0 (a NaN loss stops the run)"),
+    (
+        ["failures.nan_skip_steps=5", "failures.stop_on_nan=false"],
+        "failures.nan_skip_steps=5 rolls back on a NaN loss, but failures.stop_on_nan=false trains on",
+    ),
     (["checkpoint.every_steps=-5"], "checkpoint.every_steps=-5 must be 0 (off) or positive"),
     (["failures.max_failures=-2"], "failures.max_failures=-2 must be -1 (unlimited)"),
     (["failures.hang_timeout_s=0"], "failures.hang_timeout_s=0.0 must be positive"),
@@ -161,3 +170,11 @@ def test_field_docs_cover_every_key() -> None:
     assert "training.global_batch_size" in keys
     assert "failures.inject" in keys
     assert all(doc for key, _, _, doc in rows if key != "storage"), [k for k, _, _, d in rows if not d]
+
+
+def test_skip_steps_are_steps_or_ranges_sorted_and_merged() -> None:
+    from cluster.config import skip_windows
+
+    cfg = load_config(TINY, ['training.skip_steps=[1450, "1201-1300", " 1301 - 1305 ", 90-99, 95]'])
+    assert skip_windows(cfg.training.skip_steps) == [(90, 99), (1201, 1305), (1450, 1450)]
+    assert skip_windows([]) == []

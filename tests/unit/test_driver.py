@@ -1049,3 +1049,71 @@ def test_a_slow_rank_with_nowhere_to_go_stays_and_is_only_reported() -> None:
     driver.run()
     assert not any(c.startswith("prepare_move") for c in ScriptedGroup.instances[0].calls)
     assert "slow_rank" in kinds(driver)
+
+
+class DivergingGroup(ScriptedGroup):
+    """Rank 0 finds a NaN loss whose first step was 7 (``DivergedError``); a rolled-back start resumes from
+    checkpoint 4, deleting checkpoint 6, as ``Worker._rollback_point`` reports it."""
+
+    def classify(self, exc: BaseException) -> Failure:
+        at = 7 + 10 * self.attempt  # each attempt diverges further on
+        err = WorkerError(
+            0, at + 1, "DivergedError", f"the loss is nan at step {at}", "Traceback", {"first_step": at}
+        )
+        return Failure("user_error", 0, str(exc), err)
+
+    def start(
+        self,
+        world_size: int,
+        peers: PeerPlan | None = None,
+        skips: list[tuple[int, int]] | None = None,
+        rollback: tuple[int, int] | None = None,
+    ) -> list[SetupInfo]:
+        infos = super().start(world_size, peers, skips, rollback)
+        back = {"window": list(rollback), "checkpoint_step": 4, "discarded": [6]} if rollback else None
+        rp = dataclasses.replace(infos[0].resume, rollback=back, skipped_steps=list(skips or []))
+        return [dataclasses.replace(i, resume=rp) for i in infos]
+
+
+def test_a_nan_loss_rolls_back_before_its_window_never_from_the_survivors_memory() -> None:
+    nan = Failure("user_error", 0, "user_error:nan")
+    driver, _ = make(
+        {0: ["ok", nan]},
+        ["failures.nan_skip_steps=3", 'training.skip_steps=["1-2"]'],
+        resume={1: 4},
+        group_cls=DivergingGroup,
+    )
+    ScriptedGroup.survivors = {r: PeerState(r, 8, 2, 0, "d", 10, "") for r in range(2)}  # poisoned memory
+    result = driver.run()
+    assert result.status == "finished" and result.attempts == 2
+    assert result.skipped_steps == [(1, 2), (5, 7)]  # the config's and the rollback's
+    first, second = ScriptedGroup.instances
+    assert (first.skips, first.rollback) == ([(1, 2)], None)
+    assert (second.skips, second.rollback, second.peers) == ([(1, 2), (5, 7)], (5, 7), None)
+    assert second.calls[0] == "epoch1@0"  # from checkpoint step 4
+    ev = driver.events.records()
+    decision = next(e for e in ev if e["event"] == "decision")
+    assert decision["restart"] and decision["source"] == "checkpoint"
+    assert "not finite" in decision["fallback"]
+    (rollback,) = [e for e in ev if e["event"] == "rollback"]
+    assert rollback["window"] == [5, 7] and rollback["skipped"] == [5, 7]
+    assert (rollback["checkpoint_step"], rollback["discarded"], rollback["resume_step"]) == (4, [6], 4)
+    out = driver.out.getvalue()  # type: ignore[attr-defined]
+    assert "rolled back to checkpoint step 4 after a loss that was not finite: the batches of steps 5-7" in (
+        out
+    )
+
+
+def test_a_nan_loss_stops_the_run_without_nan_skip_steps_and_rollbacks_count_as_failures() -> None:
+    nan = Failure("user_error", 0, "user_error:nan")
+    driver, _ = make({0: [nan]}, group_cls=DivergingGroup)
+    with pytest.raises(TrainingFailedError, match="training diverged"):
+        driver.run()
+    assert len(ScriptedGroup.instances) == 1
+    twice = {0: [nan], 1: [nan]}
+    driver, _ = make(
+        twice, ["failures.nan_skip_steps=3", "failures.max_failures=1"], group_cls=DivergingGroup
+    )
+    with pytest.raises(TrainingFailedError, match="max_failures=1 exhausted"):
+        driver.run()
+    assert len(ScriptedGroup.instances) == 2

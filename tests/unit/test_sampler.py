@@ -124,3 +124,25 @@ def test_max_steps_and_too_small_dataset() -> None:
 
     with pytest.raises(ConfigError, match=r"fewer than training\.global_batch_size"):
         ResumableDistributedSampler(10, 64, 0, 1)
+
+
+def test_skipped_steps_keep_their_place_and_the_loader_leaves_them_out() -> None:
+    """A skipped step's batch is still yielded in place (positions never shift: the next step trains the
+    batch it would have trained); the loader's micro-batches leave it out."""
+    from cluster.data import MicroBatches
+    from cluster.worker import steps_to_skip
+
+    plain = ResumableDistributedSampler(96, 8, 1, 2, seed=3)
+    plain.set_epoch(1, 2)
+    skipping = ResumableDistributedSampler(96, 8, 1, 2, seed=3)
+    # epoch 1 of 12 steps, resumed at its step 2: 14 global steps done; windows in global steps (1-based)
+    skip = steps_to_skip([(10, 16), (19, 19), (30, 40)], 12, 2, 12)
+    assert skip == {2, 3, 6}  # global 15, 16 and 19; 10-14 were before the resume point; 30+ is past it
+    skipping.set_epoch(1, 2, skip)
+    assert [b.tolist() for b in skipping] == [b.tolist() for b in plain]
+    micro = MicroBatches(2, seed=3)
+    micro.source = skipping
+    steps = sorted({pos[1] for pos, _, _ in micro})
+    assert steps == [s for s in range(2, 12) if s not in skip]
+    assert steps_to_skip([], 12, 2, 12) == frozenset()
+    assert steps_to_skip([(1, 100)], 0, 0, 12) == frozenset(range(12))

@@ -97,3 +97,13 @@ def test_extra_metrics_accept_numbers_and_scalar_tensors_and_name_what_is_wrong(
         extra_metrics({"acc": torch.zeros(2)})
     with pytest.raises(TypeError, match="'name' is a str"):
         extra_metrics({"name": "x"})
+
+
+def test_skip_windows_round_trip_and_a_train_state_without_them_skips_nothing() -> None:
+    _, opt, _ = _trained()
+    windows = [[10, 12], [30, 32]]
+    state = TrainState(40, 2, 4, 2, 0, opt.state_dict(), None, TORCH_ORDER, skipped_steps=windows)
+    back = TrainState.from_state_dict(deserialize(serialize(state.state_dict())))
+    assert back.skipped_steps == [[10, 12], [30, 32]]
+    older = {k: v for k, v in state.state_dict().items() if k != "skipped_steps"}  # written before them
+    assert TrainState.from_state_dict(deserialize(serialize(older))).skipped_steps == []
