@@ -36,6 +36,7 @@ from cluster.task import Task
 if TYPE_CHECKING:
     from cluster.control import request_stop
     from cluster.driver import Driver, FailurePolicy, Result, train
+    from cluster.dryrun import DryRunReport, dry_run
     from cluster.load import Checkpoint, evaluate_checkpoint, load_checkpoint, load_model
 
 # Imported on first use: a worker process imports this package (its actor class lives in it) but never the
@@ -50,6 +51,8 @@ _LAZY = {
     "load_model": "cluster.load",
     "evaluate_checkpoint": "cluster.load",
     "request_stop": "cluster.control",
+    "dry_run": "cluster.dryrun",
+    "DryRunReport": "cluster.dryrun",
 }
 
 
@@ -69,6 +72,7 @@ __all__ = [
     "ConfigError",
     "DivergedError",
     "Driver",
+    "DryRunReport",
     "FailureConfig",
     "FailurePolicy",
     "FaultSpec",
@@ -85,6 +89,7 @@ __all__ = [
     "TrainingConfig",
     "TrainingFailedError",
     "WorkerError",
+    "dry_run",
     "evaluate_checkpoint",
     "load_checkpoint",
     "load_config",

@@ -49,6 +49,15 @@ def main(argv: list[str] | None = None) -> int:
         help="override a config key (dotted, e.g. training.epochs=5; short: name, storage, epochs, workers)",
     )
     p.add_argument("--result-json", help="also write the result object as JSON to this local file")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="try the task here instead (no Ray, nothing written): build the model and datasets, train rank "
+        "0's share of two steps and one eval batch, print steps, batch per rank, checkpoint size and memory",
+    )
+    p.add_argument(
+        "--device", choices=["cpu", "cuda"], help="--dry-run's device (default: the job's kind if here)"
+    )
     args = p.parse_args(argv)
     # The package's warnings (a swallowed error and its reason) on stderr; progress lines stay on stdout.
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -63,6 +72,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    if args.dry_run:
+        from cluster.dryrun import DryRunError, dry_run, format_report
+
+        try:
+            print(format_report(dry_run(cfg, args.device), cfg))
+        except DryRunError as exc:
+            print(f"dry run failed: {exc}", file=sys.stderr)
+            return 2
+        except ConfigError as exc:
+            print(f"config error: {exc}", file=sys.stderr)
+            return 2
+        return 0
     started = ensure_ray(cfg)
 
     # Outside `train` (which stops cleanly on a first signal), SIGTERM becomes an exception so the
