@@ -64,7 +64,7 @@ from cluster.errors import (
     TrainingFailedError,
 )
 from cluster.evaluate import eval_due
-from cluster.group import GroupFactory, Salvage, WorkerGroup
+from cluster.group import GroupFactory, Salvage, StartCancelled, WorkerGroup
 from cluster.metrics import EventLog, ProgressDisplay, write_metrics
 from cluster.peer import PeerPlan, plan_recovery
 from cluster.policy import Decision, FailurePolicy, HangWatch, SlowRank, SlowRankWatch
@@ -196,6 +196,7 @@ class Driver:
         self._stop_request: StopRequest | None = None  # set by request_stop (a signal) or the stop file
         self._stop_step: int | None = None  # the step the group was asked to stop at, for it
         self._next_stop_check = 0.0
+        self._next_wait_check = 0.0  # _stop_asked's, while no group trains
         self._seen_step = 0  # the furthest step a heartbeat reported
         self._live_step, self._live_evals = -1, 0  # the live bar's: step, and eval batches done then
         self._started_at = time.time()
@@ -407,10 +408,14 @@ class Driver:
             group.adopt(s.salvage)
         sizes = list(range(target, minimum - 1, -1))
         try:
-            n = group.reserve(sizes, cfg.scaling.resource_wait_s)
+            # A stop asked while Ray has no room ends the run here; one asked when the group can start (a
+            # backoff's, a signal at start-up) is acted on at its first step, with a checkpoint there.
+            n = group.reserve(sizes, cfg.scaling.resource_wait_s, self._stop_asked)
         except ResourcesUnavailableError as exc:
             self.events.append("failed", reason=str(exc))
             return self._fail(exc)
+        except StartCancelled as exc:
+            return self._stop_unstarted(str(exc), s.salvage)
         t_reserved = time.time()
         if n < target and s.move is None:  # a shrink for a drain is recorded with its own reason
             self.events.append(
@@ -947,6 +952,42 @@ class Driver:
             f"with a checkpoint there{_grace_note(req.reason)}. Once more to stop at once (no checkpoint)"
         )
 
+    def _stop_asked(self) -> bool:
+        """While no group trains (backing off, waiting for room): whether the run is asked to stop (a
+        signal, the stop file read at most every ``STOP_POLL_S``, ``training.time_limit_s``)."""
+        now = time.time()
+        if self._stop_request is None and now >= self._next_wait_check:
+            self._next_wait_check = now + STOP_POLL_S
+            try:
+                if STOP_FILE in pending(self._control):
+                    req = read_stop_request(self._control)
+                    if req is not None:
+                        self.request_stop(req.reason)
+            except StorageError as exc:
+                if not self._control_error_logged:
+                    logger.warning("could not read the run's control requests: %s", exc)
+                    self._control_error_logged = True
+        limit = self.cfg.training.time_limit_s
+        if self._stop_request is None and limit is not None and now - self._started_at >= limit:
+            self.request_stop(f"training.time_limit_s={limit:g} reached")
+        return self._stop_request is not None
+
+    def _stop_unstarted(self, why: str, salvage: Salvage | None) -> Stopped:
+        """A stop asked before the group trained: nothing to checkpoint but what survivors of a failure hold
+        in memory, which is lost (said, with the steps)."""
+        if self.group is not None:
+            self.group.shutdown(graceful=False)  # the adopted survivors too
+            self.group = None
+        held = max((p.global_step for p in (salvage.peers or {}).values()), default=0) if salvage else 0
+        infos = CheckpointStore(self.storage).list()
+        newest = infos[-1].step if infos else 0
+        lost = (
+            f"; the survivors of the failure held step {held}, which is lost (steps {newest + 1}-{held})"
+            if held > newest
+            else ": nothing trained since the newest checkpoint"
+        )
+        return self._end_stopped(False, f"{why}{lost}")
+
     def _read_control(self) -> None:
         """One listing of ``control/``: a stop asked for (``python -m cluster stop``), stacks asked for
         (``python -m cluster stacks``: answered at once). Storage trouble only delays them."""
@@ -1157,7 +1198,9 @@ class Driver:
             else "from the latest checkpoint" + (f" ({timing.fallback})" if timing.fallback else "")
         )
         self._print(f"recovering ({decision.reason}) in {decision.delay_s:.1f}s, {source}")
-        time.sleep(decision.delay_s)
+        wake = time.monotonic() + decision.delay_s
+        while time.monotonic() < wake and not self._stop_asked():  # a stop cuts the wait short
+            time.sleep(min(0.5, max(0.0, wake - time.monotonic())))
         self.attempt += 1
         return Starting(recovery=timing, salvage=salvage, peers=plan)
 

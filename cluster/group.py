@@ -38,6 +38,10 @@ class Salvage:
         return len(self.actors)
 
 
+class StartCancelled(Exception):
+    """A group's start was given up because the run was asked to stop (``WorkerGroup.reserve``)."""
+
+
 class WorkerGroup(Protocol):
     """What the driver needs from a gang of workers."""
 
@@ -45,9 +49,10 @@ class WorkerGroup(Protocol):
     spare_note: str
     """The hot spare's state after start(): "off", "off: <why>", "preparing"."""
 
-    def reserve(self, sizes: list[int], wait_s: float) -> int:
+    def reserve(self, sizes: list[int], wait_s: float, cancelled: Callable[[], bool] | None = None) -> int:
         """Reserve resources for ``sizes[0]`` workers, or failing that the largest of the smaller sizes;
-        return how many. Raises ResourcesUnavailableError."""
+        return how many. Raises ResourcesUnavailableError, or StartCancelled once ``cancelled()`` is true
+        (asked about while it waits)."""
         ...
 
     def start(

@@ -32,7 +32,7 @@ from cluster.checkpoint import CommitRecord
 from cluster.config import JobConfig, Window
 from cluster.dist import share_gpus, store_host
 from cluster.errors import ConfigError, Failure, ResourcesUnavailableError, WorkerError, device_broken
-from cluster.group import Salvage
+from cluster.group import Salvage, StartCancelled
 from cluster.peer import PeerPlan, PeerState
 from cluster.preemption import DrainNotice, draining_nodes
 from cluster.process import worker_env
@@ -172,22 +172,20 @@ class RayWorkerGroup:
                     avail[k] = avail.get(k, 0.0) - v
         return all(avail.get(k, 0) >= v * n - 1e-9 for k, v in self.bundle().items())
 
-    def reserve(self, sizes: list[int], wait_s: float) -> int:
+    def reserve(self, sizes: list[int], wait_s: float, cancelled: Callable[[], bool] | None = None) -> int:
         """Reserve bundles for ``sizes[0]`` workers, waiting up to ``wait_s``; failing that, the largest
-        of the smaller ``sizes`` the cluster grants now. Raise ResourcesUnavailableError otherwise."""
+        of the smaller ``sizes`` the cluster grants now. Raise ResourcesUnavailableError otherwise, and
+        StartCancelled as soon as ``cancelled()`` (asked about every second of the wait) says so."""
         strategy = self.cfg.scaling.placement_strategy
         if self.slots and len(self.slots) in sizes:
             return len(self.slots)  # adopted from the previous attempt (warm restart): already reserved
         for i, n in enumerate(sizes):
             pg = placement_group([self.bundle()] * n, strategy=strategy)
-            try:
-                ray.get(pg.ready(), timeout=wait_s if i == 0 else 2.0)
-            except GetTimeoutError:
-                remove_placement_group(pg)
-                continue
-            self.pg = pg
-            self.slots = {r: (pg, r) for r in range(n)}
-            return n
+            if _granted(pg, wait_s if i == 0 else 2.0, cancelled):
+                self.pg = pg
+                self.slots = {r: (pg, r) for r in range(n)}
+                return n
+            remove_placement_group(pg)
         need = ", ".join(f"{k}={v:g}" for k, v in self.bundle().items())
         raise ResourcesUnavailableError(
             f"the cluster did not provide {sizes[0]} workers of {{{need}}} "
@@ -773,7 +771,9 @@ class RayWorkerGroup:
                 logger.warning("graceful shutdown of the workers failed, killing them: %s", _short(exc))
         for rank, actor in enumerate(self.actors):
             _kill(actor, f"rank {rank}")
-        self.actors = []
+        for rank, actor in self._adopted.items():  # survivors handed over, not started (a stop, no room)
+            _kill(actor, f"rank {rank}")
+        self.actors, self._adopted = [], {}
         self._remove_pgs()
 
     def _remove_pgs(self) -> None:
@@ -786,6 +786,23 @@ class RayWorkerGroup:
                     "could not remove a placement group (Ray frees it with the job): %s", _short(exc)
                 )
         self.pg, self.slots, self.extra_pgs = None, {}, []
+
+
+def _granted(pg: PlacementGroup, wait_s: float, cancelled: Callable[[], bool] | None) -> bool:
+    """Whether Ray grants ``pg`` within ``wait_s``, asking ``cancelled()`` every second meanwhile (removing
+    the request and raising StartCancelled when it says so)."""
+    ready = pg.ready()
+    deadline = time.monotonic() + wait_s
+    while True:
+        done, _ = ray.wait([ready], timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+        if done:
+            ray.get(ready)
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        if cancelled is not None and cancelled():
+            remove_placement_group(pg)
+            raise StartCancelled("asked to stop while waiting for resources")
 
 
 @dataclass(frozen=True)

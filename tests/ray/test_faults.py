@@ -465,3 +465,42 @@ def test_a_diverged_run_stops_at_once_naming_the_step_and_keeps_its_good_checkpo
     assert all(
         bool(torch.isfinite(t).all()) for t in latest.files["model.pt"].values() if t.is_floating_point()
     )
+
+
+def test_a_stop_asked_while_waiting_for_resources_ends_the_run_at_once(
+    tmp_path: object, ray_local: None
+) -> None:
+    """`python -m cluster stop` (its file) while Ray has no room for the workers: the run ends `stopped`
+    within seconds, not after scaling.resource_wait_s, and its placement-group request is withdrawn."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    from cluster.control import request_stop
+
+    cfg = load_config(
+        "jobs/configs/tiny_cpu.yaml",
+        overrides(
+            f"{tmp_path}/r",
+            "waits",
+            "scaling.resources_per_worker={tpu_slice: 1}",
+            "scaling.resource_wait_s=120",
+        ),
+    )
+    run_url = f"{tmp_path}/r/waits"
+
+    def ask_once_waiting() -> None:
+        while not any(p["state"] == "PENDING" for p in placement_group_table().values()):
+            time.sleep(0.2)
+        request_stop(run_url, None, "test")
+
+    asker = threading.Thread(target=ask_once_waiting, daemon=True)
+    asker.start()
+    t0 = time.monotonic()
+    result = train(cfg, out=io.StringIO())
+    assert result.status == "stopped" and result.global_step == 0
+    assert time.monotonic() - t0 < 60  # the stop file is read every 5 s; the wait would be 120 s
+    (stopped,) = events(run_url, "stopped")
+    assert "asked to stop while waiting for resources" in stopped["note"]
+    assert all(p["state"] == "REMOVED" for p in placement_group_table().values())
+    assert ray.is_initialized()
+    asker.join(5)

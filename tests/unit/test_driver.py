@@ -16,7 +16,7 @@ from cluster.checkpoint import CheckpointStore, CommitRecord, serialize, step_di
 from cluster.config import FailureConfig, JobConfig, load_config
 from cluster.driver import Driver, Failed, FailurePolicy, Running, Starting
 from cluster.errors import Failure, ResourcesUnavailableError, TrainingFailedError, WorkerError
-from cluster.group import Salvage
+from cluster.group import Salvage, StartCancelled
 from cluster.metrics import read_metrics
 from cluster.peer import PeerPlan, PeerState
 from cluster.preemption import DrainNotice
@@ -37,6 +37,7 @@ class ScriptedGroup:
     rows: list[dict[str, Any]] = []  # rank 0's step rows salvage hands over
     drains: list[DrainNotice] = []  # what draining() reports (preemption)
     move_script: list[str] = []  # successive move_status() answers; the last one repeats
+    max_wait_s = 0.5  # the longest reserve() waits for room that is not there
 
     def __init__(
         self,
@@ -57,13 +58,18 @@ class ScriptedGroup:
         self.shut: bool | None = None
         ScriptedGroup.instances.append(self)
 
-    def reserve(self, sizes: list[int], wait_s: float) -> int:
+    def reserve(self, sizes: list[int], wait_s: float, cancelled: Any = None) -> int:
         adopted = getattr(self, "adopted", None)
         if adopted is not None and isinstance(adopted.resources, tuple):  # salvage_stopped's resources
             return int(adopted.resources[1])
         for n in sizes:
             if n <= self.capacity[0]:
                 return n
+        deadline = time.monotonic() + min(wait_s, self.max_wait_s)  # no room: wait, asking to give up, as Ray
+        while time.monotonic() < deadline:
+            if cancelled is not None and cancelled():
+                raise StartCancelled("asked to stop while waiting for resources")
+            time.sleep(0.01)
         raise ResourcesUnavailableError(f"no room for {sizes[-1]} workers")
 
     def start(
@@ -1117,3 +1123,41 @@ def test_a_nan_loss_stops_the_run_without_nan_skip_steps_and_rollbacks_count_as_
     with pytest.raises(TrainingFailedError, match="max_failures=1 exhausted"):
         driver.run()
     assert len(ScriptedGroup.instances) == 2
+
+
+class NoRoomAfterFailure(ScriptedGroup):
+    """The failed rank's node is gone and no other has room: the replacement waits."""
+
+    def salvage(self, failure: Failure, attempt: int) -> Salvage | None:
+        self.capacity[0] = 0
+        return super().salvage(failure, attempt)
+
+
+def test_a_stop_while_waiting_for_resources_ends_the_run_at_once_and_says_what_is_lost() -> None:
+    import threading
+
+    driver, _ = make({}, ["scaling.resource_wait_s=30"], capacity=0)  # no room: reserve waits (0.5 s here)
+    threading.Timer(0.1, driver.request_stop, ["SIGINT"]).start()
+    t0 = time.monotonic()
+    result = driver.run()
+    assert result.status == "stopped" and result.stop_reason == "SIGINT"
+    assert time.monotonic() - t0 < 0.5  # not the whole wait
+    (stopped,) = [e for e in driver.events.records() if e["event"] == "stopped"]
+    assert stopped["committed"] is False and "nothing trained since the newest checkpoint" in stopped["note"]
+    assert ScriptedGroup.instances[0].shut is False
+
+    # after a failure, survivors that hold step 6 wait for a replacement that finds no room: stopping loses
+    # what only they hold, and says so
+    crash = Failure("worker_died", 1, "worker_died:rank 1 died")
+    driver, _ = make({0: ["ok", crash]}, ["scaling.resource_wait_s=30"], group_cls=NoRoomAfterFailure)
+    ScriptedGroup.survivors = {0: PeerState(0, 6, 1, 2, "d", 10, "")}
+    ScriptedGroup.max_wait_s = 10.0
+    threading.Timer(0.5, driver.request_stop, ["SIGTERM"]).start()
+    try:
+        result = driver.run()
+    finally:
+        ScriptedGroup.max_wait_s = 0.5
+    assert result.status == "stopped"
+    (stopped,) = [e for e in driver.events.records() if e["event"] == "stopped"]
+    assert "the survivors of the failure held step 6, which is lost (steps 1-6)" in stopped["note"]
+    assert ScriptedGroup.instances[-1].shut is False  # the adopted survivors were killed with it
