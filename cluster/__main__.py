@@ -5,6 +5,7 @@
     python -m cluster show s3://bucket/runs gpt-gpu --verify   # also checksum every checkpoint
     python -m cluster plot ./runs/tiny-cpu --out tiny.png  # loss and samples/s vs global step
     python -m cluster eval ./runs/tiny-cpu --step best     # a checkpoint on the run's eval set, here
+    python -m cluster export ./runs/tiny-cpu --out m.safetensors --step best  # weights for serving
     python -m cluster stop ./runs/tiny-cpu --wait 300      # a running job stops with a checkpoint
     python -m cluster stacks ./runs/tiny-cpu               # where every rank of a running job is now
     python -m cluster profile ./runs/tiny-cpu --steps 5    # torch.profiler traces of a running job's steps
@@ -31,7 +32,7 @@ from typing import Any, TypeVar
 import yaml
 
 from cluster import docs, inspect, plot
-from cluster.errors import CheckpointError, StorageError
+from cluster.errors import CheckpointError, ConfigError, StorageError
 from cluster.storage import url_problem
 
 T = TypeVar("T")
@@ -106,6 +107,19 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-batches", type=int, default=None, help="evaluate only the first N batches")
     ev.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: cpu)")
     ev.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    ex = add(
+        "export",
+        "write a checkpoint's weights to one file for serving: .safetensors (pip install 'cluster[export]') "
+        "or .pt, with a JSON sidecar naming the run, step, task and checksum",
+    )
+    ex.add_argument("url", help="URL/NAME of a run, or the storage URL when NAME is given")
+    ex.add_argument("name", nargs="?", help="run name under URL")
+    ex.add_argument("--out", required=True, help="the file (or fsspec URL): model.safetensors or model.pt")
+    ex.add_argument(
+        "--step", default=None, help="a checkpoint's step, or best (default: the latest verified)"
+    )
+    ex.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="cast floating-point weights to this")
 
     st = add(
         "stop",
@@ -192,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.out} ({width}x{height})")
         elif args.command == "eval":
             return _eval(args, options)
+        elif args.command == "export":
+            return _export(args, options)
         elif args.command == "stop":
             return _stop(args, options)
         elif args.command == "stacks":
@@ -241,6 +257,29 @@ def _eval(args: argparse.Namespace, options: dict[str, Any]) -> int:
             f"step {res.step}: loss {res.loss:.4f}{shown} ({res.samples} samples, {res.batches} batches, "
             f"{res.seconds:.1f}s)"
         )
+    return 0
+
+
+def _export(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    from cluster.export import export_checkpoint
+
+    storage = inspect.open_run(args.url, args.name, options)
+    step: Any = args.step
+    if step is not None and step != "best":
+        try:
+            step = int(step)
+        except ValueError:
+            return _error(f"error: --step {step!r} must be a step number or best", 2)
+    try:
+        done = export_checkpoint(storage.root, args.out, step, options, args.dtype)
+    except ConfigError as exc:
+        return _error(f"error: {exc}", 2)
+    tied = f", tied: {done['tied']}" if done["tied"] else ""
+    print(
+        f"wrote {args.out} ({inspect.human_bytes(done['bytes'])}, {done['tensors']} tensors, "
+        f"{done['parameters']:,} values) from step {done['step']} of {done['run_url']}{tied}; "
+        f"sidecar {args.out}.json (sha256 {done['sha256'][:12]}...)"
+    )
     return 0
 
 
