@@ -194,9 +194,10 @@ class CheckpointStore:
             )
         return {name: deserialize(data) for name, data in self.read_verified(info).items()}
 
-    def retain(self, keep_last: int, keep_best: bool = False) -> builtins.list[int]:
+    def retain(self, keep_last: int, keep_best: bool = False, keep_every: int = 0) -> builtins.list[int]:
         """Delete all but the newest ``keep_last`` committed checkpoints (manifest first, then files), and,
-        with ``keep_best``, the best-scored one (:func:`best_of`).
+        with ``keep_best``, the best-scored one (:func:`best_of`), and every one whose step is a multiple of
+        ``keep_every`` (when positive).
 
         Uncommitted step folders older than the newest committed one are leftovers of torn writes and go
         too. Returns the deleted steps.
@@ -209,6 +210,8 @@ class CheckpointStore:
         best = best_of(infos) if keep_best else None
         if best is not None:
             keep.add(best.step)
+        if keep_every > 0:
+            keep.update(s for s in committed if s > 0 and s % keep_every == 0)
         newest = committed[-1]
         deleted = []
         for step in self.steps_on_storage():
@@ -357,10 +360,12 @@ class CheckpointWriter:
         on_commit: Callable[[CommitRecord], None] | None = None,
         keep_best: bool = False,
         refuse_nonfinite: bool = True,
+        keep_every: int = 0,
     ) -> None:
         self.store = store
         self.keep_last = keep_last
         self.keep_best = keep_best
+        self.keep_every = keep_every
         self.refuse_nonfinite = refuse_nonfinite
         """Weights with a NaN or infinite value (a diverged run) are never committed, so retention never
         deletes the good checkpoints for them. Checked on the host copy, in the writing thread."""
@@ -404,7 +409,7 @@ class CheckpointWriter:
                 return
             info = self.store.commit(step, blobs, {**meta, "epoch": epoch})
             record.url, record.bytes = info.url, info.total_bytes
-            self.store.retain(self.keep_last, self.keep_best)
+            self.store.retain(self.keep_last, self.keep_best, self.keep_every)
         except Exception as exc:
             record.error = f"{type(exc).__name__}: {exc}"
         record.write_s = time.perf_counter() - t0

@@ -129,6 +129,9 @@ class CheckpointConfig:
     """Save a checkpoint at the end of every this many epochs (0 disables; the last epoch always saves)."""
     keep_last: int = 3
     """Verified checkpoints to keep; older ones are deleted (the newest verified one is never deleted)."""
+    keep_every_steps: int = 0
+    """Also keep, for good, every checkpoint whose step is a multiple of this (milestones to evaluate,
+    fine-tune from, or roll back to; ``checkpoint.every_steps`` should divide it). 0: off."""
     async_save: bool = True
     """Copy state to host memory and upload in the background, so training is not stalled by storage."""
     best_metric: str | None = None
@@ -613,6 +616,14 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(
             "checkpoint.best_metric is empty; name an evaluation metric (loss, or one compute_eval returns), "
             "or null for no best checkpoint"
+        )
+    if c.keep_every_steps < 0:
+        raise ConfigError(f"checkpoint.keep_every_steps={c.keep_every_steps} must be 0 (off) or positive")
+    if c.keep_every_steps and c.every_steps and c.keep_every_steps % c.every_steps:
+        raise ConfigError(
+            f"checkpoint.keep_every_steps={c.keep_every_steps} is not a multiple of checkpoint.every_steps="
+            f"{c.every_steps}, so no checkpoint would land on it; use a multiple, e.g. "
+            f"{c.every_steps * max(1, round(c.keep_every_steps / c.every_steps))}"
         )
     if c.keep_last < 1:
         raise ConfigError(f"checkpoint.keep_last={c.keep_last} must be at least 1 (resuming needs one)")

@@ -510,6 +510,7 @@ class Worker:
                 cfg.checkpoint.keep_last,
                 cfg.checkpoint.async_save,
                 keep_best=cfg.checkpoint.best_metric is not None,
+                keep_every=cfg.checkpoint.keep_every_steps,
                 refuse_nonfinite=cfg.failures.stop_on_nan,
             )
         elif self.rank != 0 and writer is not None:

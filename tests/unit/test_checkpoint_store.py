@@ -192,3 +192,11 @@ def test_discard_after_deletes_every_newer_step_folder_committed_or_torn(store: 
     assert store.steps_on_storage() == [4, 8]
     assert [i.step for i in store.list()] == [4, 8]
     assert store.discard_after(8) == []
+
+
+def test_keep_every_keeps_the_milestones_besides_the_newest(store: CheckpointStore) -> None:
+    for step in range(0, 45, 5):
+        commit(store, step)
+    deleted = store.retain(keep_last=2, keep_every=20)
+    assert [i.step for i in store.list()] == [20, 35, 40]  # 40 is both; step 0 is no milestone
+    assert deleted == [0, 5, 10, 15, 25, 30]

@@ -47,6 +47,12 @@ BAD = [
     (["training.loader_workers=-1"], "training.loader_workers=-1 must be 0 (fetch in the training thread)"),
     (["training.prefetch=0"], "training.prefetch=0 must be at least 1"),
     (["checkpoint.keep_last=0"], "checkpoint.keep_last=0 must be at least 1"),
+    (["checkpoint.keep_every_steps=-1"], "checkpoint.keep_every_steps=-1 must be 0 (off) or positive"),
+    (
+        ["checkpoint.every_steps=25", "checkpoint.keep_every_steps=1010"],
+        "keep_every_steps=1010 is not a multiple of checkpoint.every_steps=25, so no checkpoint would land "
+        "on it; use a multiple, e.g. 1000",
+    ),
     (["training.skip_steps=[12-10]"], "training.skip_steps[0]='12-10' is not a step or a range of steps"),
     (["training.skip_steps=[5, 0]"], "training.skip_steps[1]=0 is not a step or a range of steps"),
     (["training.skip_steps=[ten]"], 'write 1450 or "1201-1300"'),
