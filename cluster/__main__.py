@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
 
@@ -230,16 +230,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _step_arg(value: str | None) -> int | Literal["best"] | None:
+    """``--step``: a number, ``best``, or None (the latest); ValueError (exit 2) otherwise."""
+    if value is None:
+        return None
+    if value == "best":
+        return "best"
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"--step {value!r} must be a step number or best") from None
+
+
 def _eval(args: argparse.Namespace, options: dict[str, Any]) -> int:
     from cluster.load import evaluate_checkpoint
 
     storage = inspect.open_run(args.url, args.name, options)
-    step: Any = args.step
-    if step is not None and step != "best":
-        try:
-            step = int(step)
-        except ValueError:
-            return _error(f"error: --step {step!r} must be a step number or best", 2)
+    step = _step_arg(args.step)
     res = evaluate_checkpoint(
         storage.root,
         step,
@@ -264,12 +271,7 @@ def _export(args: argparse.Namespace, options: dict[str, Any]) -> int:
     from cluster.export import export_checkpoint
 
     storage = inspect.open_run(args.url, args.name, options)
-    step: Any = args.step
-    if step is not None and step != "best":
-        try:
-            step = int(step)
-        except ValueError:
-            return _error(f"error: --step {step!r} must be a step number or best", 2)
+    step = _step_arg(args.step)
     try:
         done = export_checkpoint(storage.root, args.out, step, options, args.dtype)
     except ConfigError as exc:
