@@ -6,6 +6,7 @@
     python -m cluster plot ./runs/tiny-cpu --out tiny.png  # loss and samples/s vs global step
     python -m cluster eval ./runs/tiny-cpu --step best     # a checkpoint on the run's eval set, here
     python -m cluster export ./runs/tiny-cpu --out m.safetensors --step best  # weights for serving
+    python -m cluster rewind ./runs/tiny-cpu --to 400 --yes  # delete the checkpoints after step 400
     python -m cluster stop ./runs/tiny-cpu --wait 300      # a running job stops with a checkpoint
     python -m cluster stacks ./runs/tiny-cpu               # where every rank of a running job is now
     python -m cluster profile ./runs/tiny-cpu --steps 5    # torch.profiler traces of a running job's steps
@@ -121,6 +122,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     ex.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="cast floating-point weights to this")
 
+    rw = add(
+        "rewind",
+        "take a run that no job trains back to an older checkpoint: the newer ones are deleted, so the next "
+        "submission resumes there (with training.skip_steps, to skip a loss spike's batches)",
+    )
+    rw.add_argument("url", help="URL/NAME of a run, or the storage URL when NAME is given")
+    rw.add_argument("name", nargs="?", help="run name under URL")
+    rw.add_argument("--to", type=int, required=True, metavar="STEP", help="the checkpoint step to go back to")
+    rw.add_argument("--yes", action="store_true", help="delete the newer checkpoints (without: list them)")
+
     st = add(
         "stop",
         "ask the job training a run to stop at its next step with a checkpoint there (resubmit to resume)",
@@ -208,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
             return _eval(args, options)
         elif args.command == "export":
             return _export(args, options)
+        elif args.command == "rewind":
+            return _rewind(args, options)
         elif args.command == "stop":
             return _stop(args, options)
         elif args.command == "stacks":
@@ -281,6 +294,30 @@ def _export(args: argparse.Namespace, options: dict[str, Any]) -> int:
         f"wrote {args.out} ({inspect.human_bytes(done['bytes'])}, {done['tensors']} tensors, "
         f"{done['parameters']:,} values) from step {done['step']} of {done['run_url']}{tied}; "
         f"sidecar {args.out}.json (sha256 {done['sha256'][:12]}...)"
+    )
+    return 0
+
+
+def _rewind(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    from cluster.rewind import rewind
+
+    storage = inspect.open_run(args.url, args.name, options)
+    try:
+        plan = rewind(storage.root, args.to, options, apply=args.yes)
+    except ConfigError as exc:
+        return _error(f"error: {exc}", 2)
+    if not plan.newer:
+        print(f"{plan.run_url}: step {plan.step} is already its newest checkpoint; nothing to delete")
+        return 0
+    if not plan.done:
+        return _error(
+            f"would delete the checkpoints after step {plan.step} of {plan.run_url}: {plan.newer}; "
+            "pass --yes to delete them",
+            2,
+        )
+    print(
+        f"rewound {plan.run_url} to step {plan.step}: deleted the checkpoints {plan.newer}. Resubmit the job "
+        "to resume there (training.skip_steps skips batches; see docs/failures.md)"
     )
     return 0
 

@@ -500,6 +500,7 @@ def report(storage: Storage, verify_all: bool = False) -> RunReport:
         "slow_rank_moved",
         "slow_rank_move_failed",
         "rollback",
+        "rewound",
     )
     table = read_metrics(storage)
     metric_rows = table.to_pylist()
@@ -695,8 +696,8 @@ def format_show(r: RunReport) -> str:
         out += [f"  {_when(p.time)}: {p.reason}" for p in r.preemptions if p.reason]
         out.append("  (SPARE_S: seconds left before the node's deadline when the ranks were off it)")
     for e in r.other_events:
-        if e.get("event") == "rollback":
-            out.append(f"  {_when(e.get('time'))} {rollback_text(e)}")
+        if e.get("event") in ("rollback", "rewound"):
+            out.append(f"  {_when(e.get('time'))} {event_line(e)}")
             continue
         if e.get("event") == "stacks":  # where the ranks stood (a hang, or asked for): the file, the groups
             out.append(
@@ -833,6 +834,7 @@ WATCHED = (
     "failure",
     "decision",
     "rollback",
+    "rewound",
     "recovered",
     "resize",
     "preemption_notice",
@@ -879,6 +881,8 @@ def event_line(e: dict[str, Any]) -> str:
         return f"decision: {'restart' if e.get('restart') else 'give up'} ({e.get('reason')})"
     if kind == "rollback":
         return rollback_text(e)
+    if kind == "rewound":
+        return f"rewound to step {e.get('to_step')} by {e.get('by')}: deleted checkpoints {e.get('deleted')}"
     if kind == "stacks":
         where = "; ".join(
             f"ranks {ranges_text(g.get('ranks'))}: {g.get('where')}" for g in e.get("groups") or []
