@@ -199,6 +199,7 @@ class Driver:
         self._next_wait_check = 0.0  # _stop_asked's, while no group trains
         self._seen_step = 0  # the furthest step a heartbeat reported
         self._live_step, self._live_evals = -1, 0  # the live bar's: step, and eval batches done then
+        self._eval_total = 0  # batches of one evaluation (the live bar's total)
         self._started_at = time.time()
         # The stop file is read without retries: an outage must never stall the loop that watches the ranks.
         self._control = Storage(self.run_url, cfg.storage.options, retries=0, retry_budget_s=0.0)
@@ -486,6 +487,7 @@ class Driver:
         ratio = cfg.failures.slow_rank_ratio
         self._slow = SlowRankWatch(ratio) if ratio is not None and n > 1 else None
         self._rank_hosts = [i.hostname for i in infos]
+        self._eval_total = head.eval_batches
         self._rank_nodes = [i.node_id for i in infos]
         if s.recovery is not None:
             s.recovery.group_started(t_reserved, t_ready, infos, r.global_step)
@@ -555,7 +557,9 @@ class Driver:
             self._seen_step = watch.max_step
             self._watch_pace(beats, watch.max_step)
             self._announce_spare()
-            self._display.live(watch.max_step, self.cfg.training.global_batch_size, self._evaluating(beats))
+            self._display.live(
+                watch.max_step, self.cfg.training.global_batch_size, self._evaluating(beats), self._eval_total
+            )
             if hung is not None:
                 self._move = None
                 self._dump_stacks(f"hang: {hung[1]}", "hang", watch.max_step)  # before the group is killed

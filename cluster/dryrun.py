@@ -22,7 +22,7 @@ from cluster.checkpoint import serialize
 from cluster.config import JobConfig, skip_windows
 from cluster.data import ResumableDistributedSampler, fetch_batch
 from cluster.errors import ConfigError
-from cluster.evaluate import eval_batch_size, evaluate
+from cluster.evaluate import eval_batch_count, evaluate
 from cluster.task import Task, build_task, extra_metrics
 
 logger = logging.getLogger(__name__)
@@ -267,11 +267,7 @@ def _evaluate(
         raise
     except Exception as exc:
         raise DryRunError(_failed(cfg, "compute_eval(model, batch)", exc)) from exc
-    size = eval_batch_size(cfg)
-    batches = -(-len(data) // size)
-    if cfg.evaluation.max_batches is not None:
-        batches = min(batches, cfg.evaluation.max_batches)
-    report.eval_samples, report.eval_batches = len(data), batches
+    report.eval_samples, report.eval_batches = len(data), eval_batch_count(data, cfg)
     report.eval_loss, report.eval_metrics = result.loss, dict(result.metrics)
     known = {"loss", *result.metrics}
     if metric is not None and metric not in known:

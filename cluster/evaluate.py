@@ -57,6 +57,15 @@ def eval_batch_size(cfg: JobConfig) -> int:
     return max(1, t.global_batch_size // (cfg.scaling.num_workers * t.grad_accum_steps))
 
 
+def eval_batch_count(dataset: Any, cfg: JobConfig) -> int:
+    """Batches of one evaluation of ``dataset`` (all ranks together); 0 for no eval set."""
+    if dataset is None:
+        return 0
+    batches = math.ceil(len(dataset) / eval_batch_size(cfg))
+    limit = cfg.evaluation.max_batches
+    return min(batches, limit) if limit is not None else batches
+
+
 def eval_due(step: int, steps_per_epoch: int, epochs: int, e: EvaluationConfig) -> bool:
     """Whether an evaluation belongs after global step ``step`` (the end of each ``every_steps``-th step,
     of each ``every_epochs``-th epoch, and of the last epoch; step 0, before any, with ``at_start``)."""
@@ -145,9 +154,7 @@ def evaluate(
     t0 = time.perf_counter()
     n = len(dataset)
     size = eval_batch_size(cfg)
-    batches = math.ceil(n / size)
-    if cfg.evaluation.max_batches is not None:
-        batches = min(batches, cfg.evaluation.max_batches)
+    batches = eval_batch_count(dataset, cfg)
     own = _own_buffers(model, world_size)
     names: list[str] | None = None
     sizes: list[tuple[int, int]] = []

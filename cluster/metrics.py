@@ -221,9 +221,11 @@ class ProgressDisplay:
         self._last_time = time.monotonic()
         self._rate = 0.0
 
-    def live(self, step: int, samples_per_step: int, evaluating: int | None = None) -> None:
+    def live(
+        self, step: int, samples_per_step: int, evaluating: int | None = None, eval_batches: int = 0
+    ) -> None:
         """Refresh the live bar (terminal only) from a heartbeat's step count; ``evaluating``: eval batches
-        done since the step last moved (an evaluation is running)."""
+        done since the step last moved (an evaluation is running), of ``eval_batches`` when known."""
         now = time.monotonic()
         if step > self._last_step and now > self._last_time:
             rate = (step - self._last_step) / (now - self._last_time)
@@ -235,7 +237,9 @@ class ProgressDisplay:
         bar = "#" * int(frac * 30)
         eta = (self.total_steps - step) / self._rate if self._rate else 0.0
         doing = (
-            f"evaluating: {evaluating} eval batches done   "
+            f"evaluating: {min(evaluating, eval_batches)}/{eval_batches} batches   "
+            if evaluating and eval_batches
+            else f"evaluating: {evaluating} eval batches done   "
             if evaluating
             else f"{self._rate * samples_per_step:,.0f} samples/s ETA {fmt_duration(eta)}   "
         )

@@ -49,7 +49,7 @@ from cluster.data import (
     ResumableDistributedSampler,
 )
 from cluster.errors import CheckpointError, ConfigError, DivergedError, StorageError, WorkerError
-from cluster.evaluate import BestEval, EvalResult, eval_due, evaluate
+from cluster.evaluate import BestEval, EvalResult, eval_batch_count, eval_due, evaluate
 from cluster.pace import Pace, StepPace
 from cluster.peer import PeerPlan, PeerState, Transfer, broadcast_state, state_digest
 from cluster.process import set_niceness, tune_process
@@ -193,6 +193,8 @@ class SetupInfo:
     storage_reads: int = 0
     """Files this rank read from the run's storage during setup (manifests and checkpoint files)."""
     storage_read_bytes: int = 0
+    eval_batches: int = 0
+    """Batches of one evaluation, all ranks together (0: the task has no eval set)."""
 
 
 @dataclass
@@ -537,6 +539,7 @@ class Worker:
             niceness=set_niceness(cfg.scaling.worker_niceness),  # again: the group made its threads
             storage_reads=ckpt_store.storage.reads,
             storage_read_bytes=ckpt_store.storage.bytes_read,
+            eval_batches=eval_batch_count(self._eval_dataset, cfg),
         )
         self.session = TrainSession(
             device, backend, model, raw_model, optimizer, scheduler, sampler, ckpt_store, writer, info

@@ -976,6 +976,15 @@ def test_the_live_bar_shows_an_evaluations_progress_while_the_step_stands_still(
     assert "step 1/12 evaluating: 4 eval batches done" in text
     assert "step 1/12 evaluating: 8 eval batches done" in text
 
+    class OfTen(Evaluating):  # the ranks report an evaluation's size: the bar shows done/total
+        def start(self, *args: Any, **kwargs: Any) -> list[SetupInfo]:
+            return [dataclasses.replace(i, eval_batches=10) for i in super().start(*args, **kwargs)]
+
+    driver, _ = make({0: ["busy", "busy", "busy"]}, group_cls=OfTen)
+    driver.out = _Terminal()
+    assert driver.run().status == "finished"
+    assert "step 1/12 evaluating: 4/10 batches" in driver.out.getvalue()
+
 
 def test_a_time_limit_stops_the_run_cleanly_and_one_not_reached_does_nothing() -> None:
     driver, _ = make({0: ["busy", "busy"]}, ["training.time_limit_s=30"], group_cls=CommittingGroup)
