@@ -535,6 +535,14 @@ def eval_rows(metric_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------- formatting
+def _input_share(row: dict[str, Any]) -> str:
+    """ " (N% waiting for input)" for a step row that measured it."""
+    wait, step = row.get("input_wait_s"), row.get("step_time_s")
+    if not isinstance(wait, float) or not isinstance(step, float) or step <= 0:
+        return ""
+    return f" ({100 * wait / step:.0f}% waiting for input)"
+
+
 def _fmt(value: Any, digits: int = 4) -> str:
     if value is None:
         return "-"
@@ -760,7 +768,8 @@ def format_show(r: RunReport) -> str:
         out.append(
             f"  latest step: global_step {m['global_step']}, loss {_fmt(m['loss'])}, lr {_fmt(m['lr'], 6)}, "
             f"grad norm {_fmt(m.get('grad_norm'))}, peak memory {_fmt(m.get('peak_mem_gib'), 2)} GiB, "
-            f"{_fmt(m['samples_per_s'], 1)} samples/s, {_fmt(m['step_time_s'])} s/step, "
+            f"{_fmt(m['samples_per_s'], 1)} samples/s, {_fmt(m['step_time_s'])} s/step"
+            f"{_input_share(m)}, "
             f"world size {m['world_size']}, attempt {m['attempt']}"
         )
     if r.epochs:

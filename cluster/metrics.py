@@ -15,6 +15,7 @@ Metrics schema (``metrics/steps-*.parquet``, one file per epoch and attempt; rea
 | grad_norm | double | step: global gradient L2 norm, before ``training.grad_clip``; else null |
 | peak_mem_gib | double | step: rank 0's peak memory (GPU: allocator's since the last row; CPU: RSS) |
 | step_time_s | double | step: seconds of that step; epoch: mean seconds per step; eval: seconds it took |
+| input_wait_s | double | step: seconds rank 0 waited for its batches in that step (input pipeline) |
 | samples_per_s | double | global samples per second (eval: eval samples per second) |
 | checkpoint_stall_s | double | seconds training was blocked by a checkpoint at that step (0 if none) |
 | world_size | int64 | workers in the group |
@@ -51,6 +52,7 @@ SCHEMA = pa.schema(
         ("grad_norm", pa.float64()),
         ("peak_mem_gib", pa.float64()),
         ("step_time_s", pa.float64()),
+        ("input_wait_s", pa.float64()),
         ("samples_per_s", pa.float64()),
         ("checkpoint_stall_s", pa.float64()),
         ("world_size", pa.int64()),

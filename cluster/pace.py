@@ -127,6 +127,11 @@ class StepPace:
         self._input_s = 0.0
         self._start = self._now() if self._params else None
 
+    @property
+    def input_s(self) -> float:
+        """The last step's wait for its batches (host time), until the next step begins."""
+        return self._input_s
+
     def fetched(self, seconds: float) -> None:
         """The step waited ``seconds`` for a batch (host time; called per micro-batch)."""
         self._input_s += seconds

@@ -8,10 +8,10 @@ when a sink starts failing and ``tracking_resumed`` when it works again, and at 
 ``tracking.flush_timeout_s`` for what is queued (``tracking_incomplete`` says what was left unsent).
 
 Names: a step row's values go to ``train/<column>`` (``loss``, ``lr``, ``grad_norm``, ``peak_mem_gib``,
-``samples_per_s``, ``step_time_s``, ``checkpoint_stall_s``, ``world_size``, ``attempt`` and every
-``m_<name>`` as ``train/<name>``), an epoch row's to ``epoch/<column>``, an evaluation's to ``eval/loss``,
-``eval/<name>`` and ``eval/seconds``; the x axis is the global step, so a resumed or recovered run
-continues one curve. Failures, decisions and recoveries are text (TensorBoard) or tags (MLflow).
+``samples_per_s``, ``step_time_s``, ``input_wait_s``, ``checkpoint_stall_s``, ``world_size``, ``attempt``
+and every ``m_<name>`` as ``train/<name>``), an epoch row's to ``epoch/<column>``, an evaluation's to
+``eval/loss``, ``eval/<name>`` and ``eval/seconds``; the x axis is the global step, so a resumed or
+recovered run continues one curve. Failures, decisions and recoveries are text (TensorBoard) or tags (MLflow).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ VALUE_COLUMNS = (
     "peak_mem_gib",
     "samples_per_s",
     "step_time_s",
+    "input_wait_s",
     "checkpoint_stall_s",
     "world_size",
     "attempt",

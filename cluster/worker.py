@@ -1148,6 +1148,7 @@ class Worker:
             "grad_norm": float(self._grad_norm) if self._grad_norm is not None else None,
             "peak_mem_gib": _peak_memory_gib(s.device),
             "step_time_s": dt,
+            "input_wait_s": self._pace.input_s,
             "samples_per_s": self.cfg.training.global_batch_size / dt if dt > 0 else 0.0,
             "checkpoint_stall_s": stall,
             "world_size": self.world_size,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -13,6 +14,18 @@ from cluster import Task, TensorBatchDataset
 class Unpicklable(TensorBatchDataset):
     def __reduce__(self) -> Any:
         raise TypeError("holds an open file")
+
+
+class SlowReads(TensorBatchDataset):
+    """Each batch read waits ``sleep_s`` (storage latency), using no CPU."""
+
+    def __init__(self, sleep_s: float, *tensors: torch.Tensor) -> None:
+        super().__init__(*tensors)
+        self.sleep_s = sleep_s
+
+    def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        time.sleep(self.sleep_s)
+        return super().get_batch(indices)
 
 
 class Net(nn.Module):
@@ -27,13 +40,16 @@ class Net(nn.Module):
 
 
 class Broken(Task):
-    """task_args.mode: ok, raise, detached, wrong_shape, unused, unpicklable, eval_metrics."""
+    """task_args.mode: ok, raise, detached, wrong_shape, unused, unpicklable, eval_metrics; read_sleep_s:
+    each training batch read waits that long."""
 
     def build_model(self) -> nn.Module:
         return Net(unused=self.args.get("mode") == "unused")
 
     def build_train_dataset(self) -> Any:
         x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+        if self.args.get("read_sleep_s"):
+            return SlowReads(float(self.args["read_sleep_s"]), x, (x[:, 0] > 0).long())
         cls = Unpicklable if self.args.get("mode") == "unpicklable" else TensorBatchDataset
         return cls(x, (x[:, 0] > 0).long())
 

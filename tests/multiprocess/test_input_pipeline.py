@@ -244,3 +244,26 @@ def test_loader_processes_end_when_their_rank_is_killed(tmp_path: Path) -> None:
         with contextlib.suppress(OSError):
             os.kill(pid, 9)
     assert not left, f"loader processes {left} outlived their rank"
+
+
+def test_step_rows_say_how_long_the_step_waited_for_its_batches(tmp_path: Path) -> None:
+    """``input_wait_s``: rank 0's wait for its batches in a logged step; a read that takes 40 ms shows."""
+    waits = {}
+    for name, sleep in (("slow", 0.04), ("fast", 0.0)):
+        cfg = tiny_config(
+            str(tmp_path / "runs"),
+            [
+                f"name={name}",
+                "task=tests.broken_tasks:Broken",
+                f"task_args={{mode: ok, read_sleep_s: {sleep}}}",
+                "training.global_batch_size=8",
+                "training.epochs=1",
+            ],
+        )
+        out = tmp_path / name
+        out.mkdir()
+        (rank0,) = run_workers(1, cfg, str(tmp_path / "runs" / name), [(0, 0)], str(out))
+        rows = rank0["rows"]
+        assert len(rows) == 8 and all(r["input_wait_s"] <= r["step_time_s"] for r in rows)
+        waits[name] = min(r["input_wait_s"] for r in rows)
+    assert waits["slow"] >= 0.04 > waits["fast"]
