@@ -26,6 +26,7 @@ def _row(i: int, **over: object) -> dict[str, object]:
         "grad_norm": 0.5 + i,
         "peak_mem_gib": 1.25,
         "step_time_s": 0.05,
+        "input_wait_s": 0.001 * i,
         "samples_per_s": 1280.0,
         "checkpoint_stall_s": 0.0,
         "world_size": 2,
