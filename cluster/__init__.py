@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from cluster.driver import Driver, FailurePolicy, Result, train
     from cluster.dryrun import DryRunReport, dry_run
     from cluster.load import Checkpoint, evaluate_checkpoint, load_checkpoint, load_model
+    from cluster.submit import SubmittedJob, submit
 
 # Imported on first use: a worker process imports this package (its actor class lives in it) but never the
 # driver, whose imports (pyarrow for the metrics files, tracking) cost each worker ~0.35 s of CPU at start.
@@ -52,6 +53,8 @@ _LAZY = {
     "evaluate_checkpoint": "cluster.load",
     "request_stop": "cluster.control",
     "dry_run": "cluster.dryrun",
+    "submit": "cluster.submit",
+    "SubmittedJob": "cluster.submit",
     "DryRunReport": "cluster.dryrun",
 }
 
@@ -84,6 +87,7 @@ __all__ = [
     "ScalingConfig",
     "StorageConfig",
     "StorageError",
+    "SubmittedJob",
     "Task",
     "TensorBatchDataset",
     "TrainingConfig",
@@ -96,5 +100,6 @@ __all__ = [
     "load_model",
     "read_parquet",
     "request_stop",
+    "submit",
     "train",
 ]

@@ -27,6 +27,7 @@ takes, e.g. --runtime-env-json '{"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "120"}
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
@@ -39,7 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m jobs.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--config", required=True, help="YAML job spec, e.g. jobs/configs/tiny_cpu.yaml")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--config", help="YAML job spec, e.g. jobs/configs/tiny_cpu.yaml")
+    which.add_argument(
+        "--config-json", help="the job spec as JSON (what cluster.submit sends for a JobConfig)"
+    )
     p.add_argument(
         "--set",
         dest="overrides",
@@ -62,7 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     # The package's warnings (a swallowed error and its reason) on stderr; progress lines stay on stdout.
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        cfg = load_config(args.config, args.overrides)
+        if args.config_json is not None:
+            cfg = load_config(data=json.loads(args.config_json), overrides=args.overrides)
+        else:
+            cfg = load_config(args.config, args.overrides)
+    except json.JSONDecodeError as exc:
+        print(f"config error: --config-json is not JSON: {exc}", file=sys.stderr)
+        return 2
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

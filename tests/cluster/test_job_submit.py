@@ -279,3 +279,46 @@ def test_token_auth(tmp_path: object) -> None:
         finally:
             shutil.rmtree(temp, ignore_errors=True)
             shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.mark.timeout(420)
+def test_the_python_api_submits_follows_and_stops_a_job(head: Head, storage_dir: str) -> None:
+    """`cluster.submit`: a config mistake is refused here, before a job exists; a config file with overrides
+    runs to its end on the head, followed through storage; a JobConfig is stopped through the API, every
+    rank at a step with a checkpoint there (the job was given time to: RAY_JOB_STOP_WAIT_TIME_S)."""
+    import io
+
+    from ray.job_submission import JobSubmissionClient
+
+    from cluster import load_config
+    from cluster import submit as api_submit
+    from cluster.errors import ConfigError
+
+    config = os.path.join(REPO, "jobs/configs/tiny_cpu.yaml")
+    client = JobSubmissionClient(head.address)
+    before = len(client.list_jobs())
+    with pytest.raises(ConfigError, match="unknown key 'trainig'"):
+        api_submit(config, ["trainig.epochs=2"], address=head.address, working_dir=REPO)
+    with pytest.raises(ConfigError, match="is outside working_dir"):
+        api_submit(config, [f"storage={storage_dir}"], address=head.address, working_dir=f"{REPO}/cluster")
+    assert len(client.list_jobs()) == before  # nothing was submitted
+
+    overrides = small(storage_dir, "api")[1::2]
+    job = api_submit(config, overrides, address=head.address, working_dir=REPO)
+    out = io.StringIO()
+    assert job.wait(timeout_s=240, out=out, every_s=1) == "SUCCEEDED", job.logs()[-4000:]
+    assert "finished:" in out.getvalue() and job.run_status() == "finished"
+    assert "result: status=finished" in job.logs()
+
+    cfg = load_config(config, small(storage_dir, "api-stop", "training.epochs=50")[1::2])
+    job = api_submit(cfg, address=head.address, working_dir=REPO)
+    store = CheckpointStore(Storage(os.path.join(storage_dir, "api-stop")))
+    deadline = time.monotonic() + 150
+    while not store.list():
+        assert time.monotonic() < deadline and job.status() in ("PENDING", "RUNNING"), job.logs()[-4000:]
+        time.sleep(0.5)
+    job.stop()
+    assert job.wait(timeout_s=120, every_s=1) == "STOPPED"
+    (stopped,) = [e for e in events(storage_dir, "api-stop") if e["event"] == "stopped"]
+    assert stopped["reason"] == "SIGTERM" and stopped["committed"] is True
+    assert job.run_status() == "stopped"
