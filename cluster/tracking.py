@@ -54,6 +54,7 @@ TEXT_EVENTS = (
     "run_failed",
     "finished",
     "preemption_notice",
+    "rollback",
 )
 """Events written as text into TensorBoard at their global step."""
 BATCH = 500

@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"result: status={result.status} steps={result.global_step} loss={result.metrics.get('loss')}"
         f"{evaluated}{' stopped_early' if result.stopped_early else ''} "
-        f"latest_checkpoint={result.latest_checkpoint}"
+        + (f"skipped_steps={[f'{a}-{b}' for a, b in result.skipped_steps]} " if result.skipped_steps else "")
+        + f"latest_checkpoint={result.latest_checkpoint}"
     )
     return 0
 
