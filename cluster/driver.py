@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -84,6 +85,7 @@ from cluster.states import (
     Stopped,
 )
 from cluster.storage import PROBE_ENV, Storage, join, normalize_url, write_probe
+from cluster.task import Task, task_path
 from cluster.tracking import MlflowSink, Sink, TensorBoardSink, Tracker, WebhookSink
 from cluster.worker import EpochResult, SetupInfo
 
@@ -1573,10 +1575,10 @@ def _ray_version() -> str:
         return "missing"
 
 
-def _ray_group_factory(cfg: JobConfig, run_url: str, attempt: int) -> WorkerGroup:
+def _ray_group_factory(cfg: JobConfig, run_url: str, attempt: int, task_cls: Any = None) -> WorkerGroup:
     from cluster.worker_group import RayWorkerGroup
 
-    return RayWorkerGroup(cfg, run_url, attempt)
+    return RayWorkerGroup(cfg, run_url, attempt, task_cls)
 
 
 def ensure_ray(cfg: JobConfig) -> bool:
@@ -1609,12 +1611,13 @@ def check_cluster(cfg: JobConfig) -> None:
         )
 
 
-def preflight(cfg: JobConfig) -> None:
-    """Checks that need no Ray and write nothing, run before Ray starts: the task imports, and the storage
-    is one that the workers (other processes, often other machines) can see."""
+def preflight(cfg: JobConfig, task: type[Task] | None = None) -> None:
+    """Checks that need no Ray and write nothing, run before Ray starts: the task imports (unless given as
+    a class), and the storage is one that the workers (other processes, often other machines) can see."""
     from cluster.task import load_task_class
 
-    load_task_class(cfg.task)  # an unknown task is a config error, found before anything starts
+    if task is None:
+        load_task_class(cfg.task)  # an unknown task is a config error, found before anything starts
     resolve_notify_url(cfg.tracking)  # env:NAME set where the driver runs
     if cfg.training.init_from is not None:
         from cluster.load import check_init_from
@@ -1630,17 +1633,22 @@ def preflight(cfg: JobConfig) -> None:
         )
 
 
-def train(cfg: JobConfig, out: TextIO | None = None) -> Result:
+def train(cfg: JobConfig, out: TextIO | None = None, task: type[Task] | None = None) -> Result:
     """Run (or resume) the job described by ``cfg`` to completion and return its Result.
 
-    Uses the Ray cluster in ``RAY_ADDRESS`` or an already initialised one; otherwise starts an embedded
-    local Ray and shuts it down afterwards.
+    ``task``: the Task class itself instead of ``cfg.task``'s import path (which then records it): sent to
+    the workers by value, so a class defined in a notebook or in the running script works. Uses the Ray
+    cluster in ``RAY_ADDRESS`` or an already initialised one; otherwise starts an embedded local Ray and
+    shuts it down afterwards.
     """
-    preflight(cfg)
+    if task is not None:
+        cfg = dataclasses.replace(cfg, task=task_path(task))
+    preflight(cfg, task)
     started = ensure_ray(cfg)
     try:
         check_cluster(cfg)
-        driver = Driver(cfg, out=out)
+        factory = functools.partial(_ray_group_factory, task_cls=task) if task is not None else None
+        driver = Driver(cfg, group_factory=factory, out=out)
         with stop_on_signals(driver):
             return driver.run()
     finally:

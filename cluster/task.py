@@ -133,6 +133,13 @@ def extra_metrics(extra: Any, where: str = "compute_loss") -> dict[str, Any]:
     return out
 
 
+def task_path(cls: Any) -> str:
+    """``module:QualName`` of a Task subclass (what run.json records); ConfigError for anything else."""
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise ConfigError(f"task={cls!r} is not a subclass of cluster.Task")
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
 def load_task_class(path: str) -> type[Task]:
     """Import ``package.module:ClassName``; raise ConfigError saying what is missing."""
     module_name, _, attr = path.partition(":")
@@ -151,8 +158,10 @@ def load_task_class(path: str) -> type[Task]:
     return cls
 
 
-def build_task(path: str, task_args: dict[str, Any]) -> Task:
-    cls = load_task_class(path)
+def build_task(path: str, task_args: dict[str, Any], cls: type[Task] | None = None) -> Task:
+    """The task ``path`` names, or ``cls`` when given (a class passed to ``cluster.train(task=...)``,
+    sent to the workers by value), built with ``task_args``."""
+    cls = cls if cls is not None else load_task_class(path)
     try:
         return cls(**task_args)
     except TypeError as exc:

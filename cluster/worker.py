@@ -313,8 +313,17 @@ def _step_seed(seed: int, step: int, rank: int) -> int:
 
 
 class Worker:
-    def __init__(self, cfg: JobConfig, rank: int, world_size: int, run_url: str, attempt: int = 0) -> None:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        rank: int,
+        world_size: int,
+        run_url: str,
+        attempt: int = 0,
+        task_cls: type[Task] | None = None,
+    ) -> None:
         self.cfg = cfg
+        self.task_cls = task_cls  # ``cluster.train(task=...)``'s class; else cfg.task is imported
         self.rank = rank
         self.world_size = world_size
         self.run_url = run_url
@@ -366,7 +375,7 @@ class Worker:
         """The task, built on first use and kept for the life of the process (warm restarts included)."""
         with self._task_lock:
             if self._task is None:
-                task = build_task(self.cfg.task, self.cfg.task_args)
+                task = build_task(self.cfg.task, self.cfg.task_args, self.task_cls)
                 self._dataset = task.build_train_dataset()
                 self._eval_dataset = _checked_eval_set(task.build_eval_dataset(), self.cfg.task)
                 self._task = task

@@ -50,9 +50,11 @@ def avoid_selector(nodes: list[str], bundles: int) -> list[dict[str, str]]:
 
 
 class _WorkerActor:
-    def __init__(self, cfg: JobConfig, rank: int, world_size: int, run_url: str, attempt: int) -> None:
+    def __init__(
+        self, cfg: JobConfig, rank: int, world_size: int, run_url: str, attempt: int, task_cls: Any = None
+    ) -> None:
         with worker_env(cfg):
-            self.worker = Worker(cfg, rank, world_size, run_url, attempt)
+            self.worker = Worker(cfg, rank, world_size, run_url, attempt, task_cls)
         # DistributedDataParallel's first construction imports torch._dynamo (~820 modules, 0.7-2.6 s on
         # 2 cores): on every rank's critical path. Import it now, while the driver checks the ranks' code
         # and hands out the store's address. (init_process_group waits for an import in progress: it
@@ -132,10 +134,13 @@ class _WorkerActor:
 class RayWorkerGroup:
     """One gang of DDP workers on Ray. ``start`` either returns with every rank set up or raises."""
 
-    def __init__(self, cfg: JobConfig, run_url: str, attempt: int) -> None:
+    def __init__(self, cfg: JobConfig, run_url: str, attempt: int, task_cls: Any = None) -> None:
         self.cfg = cfg
         self.run_url = run_url
         self.attempt = attempt
+        self.task_cls = task_cls
+        """A Task class given to ``cluster.train(task=...)``: sent to every actor by value (cloudpickle), so a
+        class defined in a notebook or a script's ``__main__`` reaches the workers."""
         self.pg: PlacementGroup | None = None
         self.slots: dict[int, tuple[PlacementGroup, int]] = {}
         """rank -> (placement group, bundle index) it runs in: ``(self.pg, rank)`` unless the rank moved."""
@@ -263,7 +268,7 @@ class RayWorkerGroup:
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=slot[0], placement_group_bundle_index=slot[1]
             ),
-        ).remote(self.cfg, rank, world_size, self.run_url, self.attempt)
+        ).remote(self.cfg, rank, world_size, self.run_url, self.attempt, self.task_cls)
 
     def _start_spare(self, cls: Any) -> None:
         """failures.hot_spare: one idle, prepared worker that can take a dead rank's place at once."""
@@ -286,7 +291,7 @@ class RayWorkerGroup:
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self.slots[rank][0], placement_group_bundle_index=self.slots[rank][1]
             ),
-        ).remote(self.cfg, 0, self.world_size, self.run_url, self.attempt)
+        ).remote(self.cfg, 0, self.world_size, self.run_url, self.attempt, self.task_cls)
         self._spare_ready = self.spare.prepare.remote()
         self._spare_node = self.nodes[rank][0]
         self.spare_note = "preparing"
