@@ -67,14 +67,14 @@ class DryRunError(ConfigError):
     """The task failed where a worker would have: the message names the call and the error."""
 
 
-def dry_run(cfg: JobConfig, device: str | None = None) -> DryRunReport:
-    """Try ``cfg``'s task here (module docstring). ``device``: ``cpu`` or ``cuda``; default the job's own
-    kind when this machine has it, else the CPU (noted). Raises :class:`DryRunError` (a ConfigError) naming
-    the task's call that failed."""
+def dry_run(cfg: JobConfig, device: str | None = None, task_cls: type[Task] | None = None) -> DryRunReport:
+    """Try ``cfg``'s task (or the class ``task_cls``, as ``cluster.train(task=...)`` takes it) here (module
+    docstring). ``device``: ``cpu`` or ``cuda``; default the job's own kind when this machine has it, else the
+    CPU (noted). Raises :class:`DryRunError` (a ConfigError) naming the task's call that failed."""
     notes: list[str] = []
     target = _device(cfg, device, notes)
     t, s = cfg.training, cfg.scaling
-    task = _call(cfg, "__init__", lambda: build_task(cfg.task, cfg.task_args))
+    task = _call(cfg, "__init__", lambda: build_task(cfg.task, cfg.task_args, task_cls))
     torch.manual_seed(t.seed)
     model = _call(cfg, "build_model()", task.build_model)
     if not isinstance(model, nn.Module):
@@ -105,9 +105,9 @@ def dry_run(cfg: JobConfig, device: str | None = None) -> DryRunReport:
     first: tuple[float, dict[str, float], float] | None = None
     no_grad: list[str] = []
     step_s = 0.0
-    for step in range(STEPS):
+    for step, local_idx in zip(range(STEPS), batches, strict=False):  # an epoch may have a single step
         t0 = time.perf_counter()
-        loss, metrics, norm = _step(cfg, task, model, dataset, next(batches), target, optimizer, step)
+        loss, metrics, norm = _step(cfg, task, model, dataset, local_idx, target, optimizer, step)
         if step == 0:
             no_grad = [n for n, p in trainable if p.grad is None]
             first = (loss, metrics, norm)

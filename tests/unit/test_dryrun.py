@@ -88,3 +88,11 @@ def test_the_cli_prints_the_report_and_writes_nothing(
     assert "dry run failed: tests.broken_tasks:Broken.compute_loss(model, batch) raised ValueError" in (
         capsys.readouterr().err
     )
+
+
+def test_a_task_class_is_tried_as_train_takes_it(tmp_path: Any) -> None:
+    from tests.broken_tasks import Broken
+
+    c = load_config(data={"task": "nowhere:Missing", "storage": {"url": f"{tmp_path}/runs"}})
+    r = dry_run(c, task_cls=Broken)  # the class, not the config's path, is built
+    assert r.steps_per_epoch == 1 and r.loss > 0
