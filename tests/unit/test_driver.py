@@ -1170,3 +1170,20 @@ def test_a_stop_while_waiting_for_resources_ends_the_run_at_once_and_says_what_i
     (stopped,) = [e for e in driver.events.records() if e["event"] == "stopped"]
     assert "the survivors of the failure held step 6, which is lost (steps 1-6)" in stopped["note"]
     assert ScriptedGroup.instances[-1].shut is False  # the adopted survivors were killed with it
+
+
+def test_the_skip_windows_a_checkpoint_holds_are_the_runs_from_the_first_start() -> None:
+    """A resubmission after a rollback (the driver that rolled back is gone): the windows come back from the
+    checkpoint the ranks resumed from, and every later start passes them on."""
+
+    class Resumed(ScriptedGroup):
+        def start(self, *args: Any, **kwargs: Any) -> list[SetupInfo]:
+            infos = super().start(*args, **kwargs)
+            rp = dataclasses.replace(infos[0].resume, skipped_steps=[(3, 4)])
+            return [dataclasses.replace(i, resume=rp) for i in infos]
+
+    crash = Failure("worker_died", 1, "worker_died:rank 1 died")
+    driver, _ = make({0: ["ok", crash]}, resume={1: 6}, group_cls=Resumed)
+    result = driver.run()
+    assert result.status == "finished" and result.skipped_steps == [(3, 4)]
+    assert ScriptedGroup.instances[1].skips == [(3, 4)]  # the restart is told them
