@@ -658,6 +658,7 @@ class Driver:
             seconds=round(wall_s, 3),
             samples_per_s=round(samples_per_s, 1),
             world_size=self.world_size,
+            **({"skipped_steps": head.skipped} if head.skipped else {}),
         )
         self.last_metrics = {
             "epoch": head.epoch,

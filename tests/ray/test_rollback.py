@@ -77,6 +77,8 @@ def test_a_nan_loss_rolls_back_past_its_batches_exactly_as_skipping_them_by_hand
     assert [r["checkpoint_step"] for r in rollbacks] == [8, 28]
     # 10 (and 30) trained batches of the window: deleted, never resumed from by a later recovery
     assert [r["discarded"] for r in rollbacks] == [[10], [30]]
+    ends = [e for e in ev if e["event"] == "epoch_end"]
+    assert [e.get("skipped_steps") for e in ends] == [3, 3]  # each epoch's window, as its last pass ran
     decisions = [e for e in ev if e["event"] == "decision"]
     assert all(d["restart"] and d["source"] == "checkpoint" for d in decisions)
     assert "rolled back to checkpoint step 8" in out.getvalue()
