@@ -132,7 +132,14 @@ def submit(
     from ray.job_submission import JobSubmissionClient
 
     entrypoint = shlex.join(["python", "-m", "jobs.train", *args])
-    client = JobSubmissionClient(address)
+    try:
+        client = JobSubmissionClient(address)
+    except ConnectionError as exc:
+        raise ConfigError(
+            f"no Ray cluster answers at {address or 'RAY_ADDRESS (unset: a local one)'} ({exc}): pass "
+            "address= the head's dashboard (http://HEAD:8265, through `ray dashboard ray_cluster.yaml`), or "
+            "start one with `ray start --head`"
+        ) from None
     submitted = client.submit_job(entrypoint=entrypoint, runtime_env=env, submission_id=job_id)
     run_url = join(normalize_url(cfg.storage.url), cfg.name)
     return SubmittedJob(str(submitted), address, run_url, cfg)
