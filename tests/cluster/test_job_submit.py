@@ -303,7 +303,7 @@ def test_the_python_api_submits_follows_and_stops_a_job(head: Head, storage_dir:
         api_submit(config, [f"storage={storage_dir}"], address=head.address, working_dir=f"{REPO}/cluster")
     assert len(client.list_jobs()) == before  # nothing was submitted
 
-    overrides = small(storage_dir, "api")[1::2]
+    overrides = small(storage_dir, "api", "training.max_steps_per_epoch=6")[1::2]
     job = api_submit(config, overrides, address=head.address, working_dir=REPO)
     out = io.StringIO()
     assert job.wait(timeout_s=240, out=out, every_s=1) == "SUCCEEDED", job.logs()[-4000:]
