@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from cluster.control import request_stop
     from cluster.driver import Driver, FailurePolicy, Result, train
     from cluster.dryrun import DryRunReport, dry_run
+    from cluster.inspect import run_metrics
     from cluster.load import Checkpoint, evaluate_checkpoint, load_checkpoint, load_model
     from cluster.submit import SubmittedJob, submit
 
@@ -53,6 +54,7 @@ _LAZY = {
     "evaluate_checkpoint": "cluster.load",
     "request_stop": "cluster.control",
     "dry_run": "cluster.dryrun",
+    "run_metrics": "cluster.inspect",
     "submit": "cluster.submit",
     "SubmittedJob": "cluster.submit",
     "DryRunReport": "cluster.dryrun",
@@ -100,6 +102,7 @@ __all__ = [
     "load_model",
     "read_parquet",
     "request_stop",
+    "run_metrics",
     "submit",
     "train",
 ]

@@ -7,6 +7,7 @@ is going or long after. A run is any folder directly under the storage URL that 
 
 from __future__ import annotations
 
+import bisect
 import json
 import time
 from dataclasses import dataclass, field
@@ -186,6 +187,40 @@ def read_events(storage: Storage) -> list[dict[str, Any]]:
     """The run's events as dicts, oldest first (segments ``events/*.jsonl`` after a legacy ``events.jsonl``);
     a torn line (a writer died mid-write) is ignored."""
     return read_event_log(storage)
+
+
+def final_path(rows: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The metric rows of the path the run took, in step order: a row is left out when the run later went
+    back past its step (a group started from an earlier step: a recovery that replayed it, a NaN rollback
+    that abandoned it; or a ``rewound`` run), so that each step's row of each kind appears once, as the
+    weights that were kept saw it."""
+    backs = sorted(
+        (float(e["time"]), int(e["resume_step"] if e.get("event") == "group_started" else e["to_step"]))
+        for e in events
+        if (e.get("event") == "group_started" and isinstance(e.get("resume_step"), int))
+        or (e.get("event") == "rewound" and isinstance(e.get("to_step"), int))
+    )
+    # the lowest step the run went back to after each time: one pass from the newest
+    later_min: list[float] = [float("inf")] * (len(backs) + 1)
+    for i in range(len(backs) - 1, -1, -1):
+        later_min[i] = min(later_min[i + 1], backs[i][1])
+    times = [t for t, _ in backs]
+    kept = [r for r in rows if r["global_step"] <= later_min[bisect.bisect_right(times, float(r["time"]))]]
+    return sorted(kept, key=lambda r: (r["global_step"], r["time"]))
+
+
+def run_metrics(run_url: str, storage_options: dict[str, Any] | None = None, final: bool = True) -> Any:
+    """The run's metrics as a ``pyarrow.Table`` (columns: docs/runs.md): with ``final``, only the rows of
+    the path the run took (:func:`final_path`: no replayed, rolled-back or rewound rows), in step order;
+    else every row written."""
+    storage = Storage(run_url, storage_options)
+    table = read_metrics(storage)
+    if not final:
+        return table
+    import pyarrow as pa
+
+    rows = final_path(table.to_pylist(), read_events(storage))
+    return pa.Table.from_pylist(rows, schema=table.schema)
 
 
 def read_run_json(storage: Storage) -> dict[str, Any]:

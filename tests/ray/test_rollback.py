@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 
 import pytest
 import torch
 
-from cluster import load_config, train
+from cluster import load_config, run_metrics, train
 from cluster.checkpoint import CheckpointStore
 from cluster.inspect import format_show, read_events, report
 from cluster.storage import Storage
@@ -86,6 +87,13 @@ def test_a_nan_loss_rolls_back_past_its_batches_exactly_as_skipping_them_by_hand
     latest = CheckpointStore(run).load_latest()
     assert latest is not None and latest.info.step == 32
     assert latest.files["train_state.pt"]["skipped_steps"] == [[10, 12], [30, 32]]  # a resubmission's too
+    # the metrics of the path the run took: each trained step once, none of the abandoned NaN rows
+    final = run_metrics(result.run_url).to_pylist()
+    steps = [r["global_step"] for r in final if r["kind"] == "step"]
+    assert steps == [s for s in range(1, 33) if not any(a <= s <= b for a, b in WINDOWS)]
+    assert all(math.isfinite(r["loss"]) for r in final)
+    every = run_metrics(result.run_url, final=False).to_pylist()
+    assert any(not math.isfinite(r["loss"]) for r in every)  # what was written stays: the rollbacks' NaN rows
     shown = format_show(report(run))
     assert "rollback" in shown and "10-12" in shown and "30-32" in shown
 

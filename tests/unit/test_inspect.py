@@ -163,3 +163,31 @@ def test_a_rollback_reads_as_one_line_in_watch_and_in_a_notification() -> None:
         event_line(fresh)
         == "rollback after a loss that was not finite: to the run's start, steps 1-3 skipped"
     )
+
+
+def test_the_final_path_leaves_out_rows_the_run_went_back_past() -> None:
+    from cluster.inspect import final_path
+
+    def row(step: int, t: float, kind: str = "step") -> dict[str, object]:
+        return {"kind": kind, "global_step": step, "time": t}
+
+    rows = [row(s, s) for s in range(1, 9)]  # first path: steps 1-8 at times 1-8
+    rows += [row(6, 11), row(7, 12)]  # a recovery from checkpoint 5 replayed 6-7 (then the group failed)
+    rows += [row(4, 21), row(5, 22), row(6, 23), row(4, 23.5, "eval")]  # rewound to 3 at time 20
+    events = [
+        ev("group_started", resume_step=0, time=0.5),
+        ev("group_started", resume_step=5, time=10),
+        ev("rewound", to_step=3, time=20),
+        ev("group_started", resume_step=3, time=20.5),
+    ]
+    kept = final_path(rows, events)
+    assert [(r["global_step"], r["time"]) for r in kept] == [
+        (1, 1),
+        (2, 2),
+        (3, 3),
+        (4, 21),
+        (4, 23.5),
+        (5, 22),
+        (6, 23),
+    ]
+    assert final_path(rows[:3], []) == rows[:3]  # no restarts: every row
