@@ -937,9 +937,7 @@ class Driver:
         if now >= self._next_stop_check:
             self._next_stop_check = now + STOP_POLL_S
             self._read_control()
-        limit = self.cfg.training.time_limit_s
-        if limit is not None and now - self._started_at >= limit:
-            self.request_stop(f"training.time_limit_s={limit:g} reached")
+        self._check_time_limit(now)
         req = self._stop_request
         if req is None or self._stop_step is not None:
             return
@@ -965,19 +963,14 @@ class Driver:
         now = time.time()
         if self._stop_request is None and now >= self._next_wait_check:
             self._next_wait_check = now + STOP_POLL_S
-            try:
-                if STOP_FILE in pending(self._control):
-                    req = read_stop_request(self._control)
-                    if req is not None:
-                        self.request_stop(req.reason)
-            except StorageError as exc:
-                if not self._control_error_logged:
-                    logger.warning("could not read the run's control requests: %s", exc)
-                    self._control_error_logged = True
-        limit = self.cfg.training.time_limit_s
-        if self._stop_request is None and limit is not None and now - self._started_at >= limit:
-            self.request_stop(f"training.time_limit_s={limit:g} reached")
+            self._read_control(group_requests=False)
+        self._check_time_limit(now)
         return self._stop_request is not None
+
+    def _check_time_limit(self, now: float) -> None:
+        limit = self.cfg.training.time_limit_s
+        if limit is not None and now - self._started_at >= limit:
+            self.request_stop(f"training.time_limit_s={limit:g} reached")
 
     def _stop_unstarted(self, why: str, salvage: Salvage | None) -> Stopped:
         """A stop asked before the group trained: nothing to checkpoint but what survivors of a failure hold
@@ -995,15 +988,18 @@ class Driver:
         )
         return self._end_stopped(False, f"{why}{lost}")
 
-    def _read_control(self) -> None:
+    def _read_control(self, group_requests: bool = True) -> None:
         """One listing of ``control/``: a stop asked for (``python -m cluster stop``), stacks asked for
-        (``python -m cluster stacks``: answered at once). Storage trouble only delays them."""
+        (``python -m cluster stacks``: answered at once). Storage trouble only delays them. Without
+        ``group_requests`` (no group trains) only a stop is taken; stacks and profiles wait for the ranks."""
         try:
             found = pending(self._control)
             if STOP_FILE in found and self._stop_request is None:
                 req = read_stop_request(self._control)
                 if req is not None:
                     self.request_stop(req.reason)
+            if not group_requests:
+                return
             if STACKS_FILE in found:
                 asked = take_request(self._control, STACKS_FILE)
                 by = asked.get("by", "python -m cluster stacks")
