@@ -12,7 +12,7 @@ import importlib
 import time
 
 from cluster.errors import Failure
-from cluster.worker import EpochResult
+from cluster.group import EpochResult
 
 # The scripted group and helpers of the driver's scale test (imported by name: the tests are not typed)
 _scale = importlib.import_module("tests.unit.test_driver_scale")

@@ -65,7 +65,7 @@ from cluster.errors import (
     TrainingFailedError,
 )
 from cluster.evaluate import eval_due
-from cluster.group import GroupFactory, Salvage, StartCancelled, WorkerGroup
+from cluster.group import EpochResult, GroupFactory, Salvage, SetupInfo, StartCancelled, WorkerGroup
 from cluster.metrics import EventLog, ProgressDisplay, write_metrics
 from cluster.peer import PeerPlan, plan_recovery
 from cluster.policy import Decision, FailurePolicy, HangWatch, SlowRank, SlowRankWatch
@@ -87,7 +87,6 @@ from cluster.states import (
 from cluster.storage import PROBE_ENV, Storage, join, normalize_url, write_probe
 from cluster.task import Task, task_path
 from cluster.tracking import MlflowSink, Sink, TensorBoardSink, Tracker, WebhookSink
-from cluster.worker import EpochResult, SetupInfo
 
 __all__ = [
     "Decision",

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from cluster.config import FailureConfig
 from cluster.errors import Failure
-from cluster.worker import Heartbeat
+from cluster.group import Heartbeat
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from cluster.errors import Failure
-from cluster.group import Salvage
+from cluster.group import EpochResult, Salvage, SetupInfo
 from cluster.peer import PeerPlan
 from cluster.preemption import Move
-from cluster.worker import EpochResult, SetupInfo
 
 
 class State:

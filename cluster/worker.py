@@ -50,7 +50,8 @@ from cluster.data import (
 )
 from cluster.errors import CheckpointError, ConfigError, DivergedError, StorageError, WorkerError
 from cluster.evaluate import BestEval, EvalResult, eval_batch_count, eval_due, evaluate
-from cluster.pace import Pace, StepPace
+from cluster.group import EpochResult, Heartbeat, ResumePoint, SetupInfo
+from cluster.pace import StepPace
 from cluster.peer import PeerPlan, PeerState, Transfer, broadcast_state, state_digest
 from cluster.process import set_niceness, tune_process
 from cluster.profiling import ProfileRequest, StepProfiler
@@ -142,61 +143,6 @@ def _sampler_order(value: Any, where: str) -> int:
     return int(value)
 
 
-@dataclass(frozen=True)
-class ResumePoint:
-    global_step: int
-    epoch: int
-    step_in_epoch: int
-    checkpoint_url: str | None
-    """The checkpoint loaded (its step folder), or None for a fresh start."""
-    world_size: int | None = None
-    """The world size of the group that wrote that checkpoint."""
-    source: str = "fresh"
-    """Where the state came from: ``fresh``, ``checkpoint`` (storage) or ``peers`` (a survivor's memory)."""
-    peer_source: int | None = None
-    """The rank that sent the state (``peers`` only)."""
-    nbytes: int = 0
-    """Bytes of state this rank received (from storage or from a peer); 0 for the peer that sent it."""
-    transfer_s: float = 0.0
-    """Seconds the state took to arrive (checkpoint read and load, or the broadcast from the peer)."""
-    init_from: dict[str, Any] | None = None
-    """A fresh start's weights from another run (``training.init_from``): its checkpoint's ``url`` and
-    ``step``, how many tensors were ``loaded``, and the names that ``kept_init`` (``init_strict=false``)."""
-    skipped_steps: list[Window] = field(default_factory=list)
-    """Every window of steps the run skips from here on (the driver's and the checkpoint's)."""
-    rollback: dict[str, Any] | None = None
-    """A restart after a NaN loss: the ``window`` asked to be skipped, the ``checkpoint_step`` resumed from
-    (None: the run's start), and the newer checkpoints ``discarded`` (they trained the skipped batches)."""
-
-
-@dataclass
-class SetupInfo:
-    """What a rank reports once it is set up and ready to train."""
-
-    rank: int
-    world_size: int
-    hostname: str
-    pid: int
-    backend: str
-    steps_per_epoch: int
-    resume: ResumePoint
-    skipped_checkpoints: list[tuple[int, str]]
-    timings: dict[str, float]
-    """Unix time at the end of each setup phase, in order: start, process_group, task, then ddp and
-    checkpoint_load (from storage) or peer_transfer and ddp (from peers), then ready."""
-    node_id: str = ""
-    """The Ray node the rank runs on (filled in by the Ray worker group)."""
-    allocator: str = "system"
-    """``tuned`` where scaling.tune_allocator took effect, else ``system`` or why not."""
-    niceness: str = ""
-    """The rank's scheduling niceness after scaling.worker_niceness, or why it could not be set."""
-    storage_reads: int = 0
-    """Files this rank read from the run's storage during setup (manifests and checkpoint files)."""
-    storage_read_bytes: int = 0
-    eval_batches: int = 0
-    """Batches of one evaluation, all ranks together (0: the task has no eval set)."""
-
-
 @dataclass
 class TrainSession:
     """What ``setup`` builds for one process group; ``reset`` drops it whole, the next ``setup`` rebuilds
@@ -214,49 +160,6 @@ class TrainSession:
     writer: CheckpointWriter | None
     """Rank 0's checkpoint writer; None on the other ranks."""
     info: SetupInfo
-
-
-@dataclass
-class EpochResult:
-    rank: int
-    epoch: int
-    global_step: int
-    steps: int
-    samples: int
-    loss: float
-    seconds: float
-    first_step_at: float | None
-    step_rows: list[dict[str, Any]] = field(default_factory=list)
-    commits: list[CommitRecord] = field(default_factory=list)
-    metrics: dict[str, float] = field(default_factory=dict)
-    """This rank's mean over the epoch's steps of each extra metric ``Task.compute_loss`` returned."""
-    skipped: int = 0
-    """Steps of the epoch whose batches were skipped (``training.skip_steps``, NaN rollbacks): not in
-    ``steps``."""
-    stopped: bool = False
-    """The driver stopped the epoch before its end (``Worker.stop_at``); ``global_step`` is where."""
-    early_stopped: bool = False
-    """Early stopping (``evaluation.patience``) ended the run at ``global_step``, checkpointed there."""
-    best: dict[str, Any] | None = None
-    """With ``early_stopped``: the best evaluation (``TrainState.best_eval``)."""
-
-
-@dataclass(frozen=True)
-class Heartbeat:
-    """A rank's progress as the driver's hang watch sees it."""
-
-    rank: int
-    global_step: int
-    last_step_at: float
-    max_step_time_s: float
-    in_epoch: bool
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    """Rank 0's per-step metric rows logged since its previous heartbeat (streamed, so that a failure loses
-    none of them); empty on other ranks."""
-    pace: Pace | None = None
-    """This rank's steps since its previous heartbeat (None when it took none): how long its own part took."""
-    eval_batches: int = 0
-    """Eval batches this process has evaluated: progress while an evaluation runs and no step does."""
 
 
 SLOW_FAULT_S = 0.05

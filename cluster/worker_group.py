@@ -32,11 +32,11 @@ from cluster.checkpoint import CommitRecord
 from cluster.config import JobConfig, Window
 from cluster.dist import share_gpus, store_host
 from cluster.errors import ConfigError, Failure, ResourcesUnavailableError, WorkerError, device_broken
-from cluster.group import Salvage, StartCancelled
+from cluster.group import EpochResult, Heartbeat, Salvage, SetupInfo, StartCancelled
 from cluster.peer import PeerPlan, PeerState
 from cluster.preemption import DrainNotice, draining_nodes
 from cluster.process import worker_env
-from cluster.worker import HOLD_STEPS, EpochResult, Heartbeat, SetupInfo, Worker
+from cluster.worker import HOLD_STEPS, Worker
 
 logger = logging.getLogger(__name__)
 

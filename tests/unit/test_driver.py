@@ -16,11 +16,10 @@ from cluster.checkpoint import CheckpointStore, CommitRecord, serialize, step_di
 from cluster.config import FailureConfig, JobConfig, load_config
 from cluster.driver import Driver, Failed, FailurePolicy, Running, Starting
 from cluster.errors import Failure, ResourcesUnavailableError, TrainingFailedError, WorkerError
-from cluster.group import Salvage, StartCancelled
+from cluster.group import EpochResult, Heartbeat, ResumePoint, Salvage, SetupInfo, StartCancelled
 from cluster.metrics import read_metrics
 from cluster.peer import PeerPlan, PeerState
 from cluster.preemption import DrainNotice
-from cluster.worker import EpochResult, Heartbeat, ResumePoint, SetupInfo
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 

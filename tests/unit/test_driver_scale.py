@@ -12,11 +12,10 @@ import pytest
 
 from cluster.driver import Driver
 from cluster.errors import Failure
-from cluster.group import Salvage
+from cluster.group import EpochResult, Heartbeat, Salvage
 from cluster.pace import Pace
 from cluster.peer import PeerState
 from cluster.policy import HangWatch, SlowRankWatch
-from cluster.worker import EpochResult, Heartbeat
 from tests.unit.test_driver import STEPS, ScriptedGroup, kinds, make
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]

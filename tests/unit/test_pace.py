@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from cluster.config import ConfigError, load_config
+from cluster.group import Heartbeat
 from cluster.pace import KEEP_HOOKS, Pace, StepPace
 from cluster.policy import SLOW_ROUNDS, SlowRankWatch
-from cluster.worker import Heartbeat
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 

@@ -12,10 +12,10 @@ import fsspec
 import pytest
 
 from cluster.errors import Failure
+from cluster.group import EpochResult
 from cluster.metrics import read_metrics
 from cluster.storage import Storage
 from cluster.tracking import Item, Tracker, flatten, scalars
-from cluster.worker import EpochResult
 from tests.unit.test_driver import STEPS, ScriptedGroup, make
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
