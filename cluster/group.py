@@ -1,10 +1,11 @@
 """The seam between the driver and a gang of workers: what the driver calls, and the typed objects that
-cross it. :class:`cluster.worker_group.RayWorkerGroup` implements it on Ray; the driver's unit tests
+cross it. :class:`cluster.worker_group.RayWorkerGroup` (the package ``cluster/worker_group/``) implements
+it on Ray; the driver's unit tests
 implement it with a script (``tests/unit/test_driver.py``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -195,16 +196,30 @@ class WorkerGroup(Protocol):
         """Seconds the hot spare took to prepare, once it has; None before or without one."""
         ...
 
-    def classify(self, exc: BaseException) -> Failure:
-        """Turn the first error seen into a Failure naming its root cause and rank."""
+    def classify(self, exc: BaseException, starting: bool = False) -> Failure:
+        """Turn the first error seen into a Failure naming its root cause and rank. With ``starting`` (the
+        error came out of ``start``), an error that did not come from the workers' runtime (a timeout
+        waiting for the ranks, a refused GPU assignment) is ``start_failed``."""
         ...
 
     def available_for(self, n: int) -> bool:
         """Whether the cluster has free resources for ``n`` more workers now."""
         ...
 
-    def salvage(self, failure: Failure, attempt: int) -> Salvage | None:
-        """Keep what can serve a warm restart, kill the rest; None when nothing is kept."""
+    def salvage(
+        self,
+        failure: Failure | None,
+        attempt: int,
+        *,
+        leaving: Collection[int] = (),
+        keep_state: bool | None = None,
+    ) -> Salvage | None:
+        """Keep what can serve the next group (attempt ``attempt``), kill the rest; None when nothing is
+        kept. After a ``failure``: the survivors keep their ranks (with their state in memory when
+        ``keep_state``, by default ``failures.recover_from_peers``), the hot spare may take a dead rank's
+        place. After ``stop`` (``failure`` None): every rank but ``leaving`` is kept (with its state when
+        ``keep_state``), the move's replacements taking the leaving ranks; without a ready move the others
+        are renumbered 0..K-1."""
         ...
 
     def adopt(self, salvage: Salvage) -> None:
@@ -238,9 +253,9 @@ class WorkerGroup(Protocol):
         """Give up the move in progress: stop its replacements, release their resources."""
         ...
 
+    # kept until the driver calls salvage(None, attempt, leaving=..., keep_state=...); remove then
     def salvage_stopped(self, attempt: int, retire: list[int], keep_state: bool) -> Salvage | None:
-        """After ``stop``: keep every rank but ``retire`` (with its state when ``keep_state``), the move's
-        replacements taking the retired ranks; without a ready move the others are renumbered 0..K-1."""
+        """``salvage(None, attempt, leaving=retire, keep_state=keep_state)``."""
         ...
 
     def shutdown(self, graceful: bool) -> None:

@@ -12,25 +12,43 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "cluster")
 
 
+def _entry(module: str) -> str:
+    """The ``_TRAINING_MODULES`` entry of a top-level cluster module: ``x.py``, or ``x/`` for a package."""
+    return module + "/" if os.path.isdir(os.path.join(PKG, module)) else module + ".py"
+
+
+def _files(name: str) -> list[str]:
+    if not name.endswith("/"):
+        return [os.path.join(PKG, name)]
+    return [
+        os.path.join(root, f)
+        for root, _, fs in os.walk(os.path.join(PKG, name))
+        for f in fs
+        if f.endswith(".py")
+    ]
+
+
 def _imports(name: str) -> set[str]:
     """cluster modules ``name`` imports (``from cluster.x import ...``, ``from cluster import x``)."""
-    tree = ast.parse(open(os.path.join(PKG, name)).read())
     out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            if node.module.startswith("cluster."):
-                out.add(node.module.split(".")[1] + ".py")
-            elif node.module == "cluster":
-                out.update(
-                    a.name + ".py" for a in node.names if os.path.exists(os.path.join(PKG, a.name + ".py"))
-                )
+    for path in _files(name):
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                if node.module.startswith("cluster."):
+                    out.add(_entry(node.module.split(".")[1]))
+                elif node.module == "cluster":
+                    out.update(
+                        _entry(a.name)
+                        for a in node.names
+                        if os.path.exists(os.path.join(PKG, _entry(a.name)))
+                    )
     return out
 
 
 def test_every_module_the_worker_side_imports_is_fingerprinted() -> None:
     from cluster.worker_group import _TRAINING_MODULES
 
-    seen, todo = set(), ["worker_group.py", "worker.py"]
+    seen, todo = set(), [_entry("worker_group"), _entry("worker")]
     while todo:
         name = todo.pop()
         if name not in seen:

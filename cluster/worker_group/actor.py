@@ -1,0 +1,180 @@
+"""The Ray actor that runs one rank: a thin wrapper over :class:`cluster.worker.Worker`, and the check that
+every rank imported the same ``cluster`` code as the driver.
+
+The actor runs with ``max_concurrency=2`` so the driver's heartbeat call (``heartbeat``) is answered while
+``run_epoch`` is busy training. Its class keeps the name ``_WorkerActor``: Ray titles the process
+``ray::_WorkerActor...`` and tests find the workers by that title.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from functools import cache
+from typing import Any
+
+import ray
+
+from cluster.checkpoint import CommitRecord
+from cluster.config import JobConfig, Window
+from cluster.errors import ConfigError
+from cluster.group import EpochResult, Heartbeat, SetupInfo
+from cluster.peer import PeerPlan, PeerState
+from cluster.process import worker_env
+from cluster.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+class _WorkerActor:
+    def __init__(
+        self, cfg: JobConfig, rank: int, world_size: int, run_url: str, attempt: int, task_cls: Any = None
+    ) -> None:
+        with worker_env(cfg):
+            self.worker = Worker(cfg, rank, world_size, run_url, attempt, task_cls)
+        # DistributedDataParallel's first construction imports torch._dynamo (~820 modules, 0.7-2.6 s on
+        # 2 cores): on every rank's critical path. Import it now, while the driver checks the ranks' code
+        # and hands out the store's address. (init_process_group waits for an import in progress: it
+        # touches torch._dynamo when the module is in sys.modules. So the import overlaps the driver's
+        # round trips, not the rendezvous itself.)
+        threading.Thread(target=_import_dynamo, name="cluster-import-dynamo", daemon=True).start()
+
+    def node(self) -> tuple[str, str]:
+        ctx = ray.get_runtime_context()
+        return ctx.get_node_id(), ray.util.get_node_ip_address()
+
+    def code(self) -> tuple[str, str]:
+        return code_fingerprint()
+
+    def gpu_ids(self) -> list[str]:
+        return [str(i) for i in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])]
+
+    def use_gpus(self, visible: str, index: int) -> str:
+        return self.worker.use_gpus(visible, index)
+
+    def bind_store(self) -> tuple[str, int]:
+        ip = ray.util.get_node_ip_address()
+        return ip, self.worker.bind_store(ipv4=":" not in ip)
+
+    def connect(self, host: str, port: int) -> None:
+        self.worker.connect(host, port)
+
+    def setup(
+        self,
+        host: str,
+        port: int,
+        peers: PeerPlan | None = None,
+        skips: list[Window] | None = None,
+        rollback: Window | None = None,
+    ) -> SetupInfo:
+        return self.worker.setup(host, port, peers, skips, rollback).info
+
+    def run_epoch(
+        self, epoch: int, start_step: int, dispatch: int = 0, evaluate_first: bool = False
+    ) -> EpochResult:
+        return self.worker.run_epoch(epoch, start_step, dispatch, evaluate_first)
+
+    def hold_stop(self, dispatch: int) -> int:
+        return self.worker.hold_stop(dispatch)
+
+    def stop_at(self, dispatch: int, step: int, checkpoint: bool) -> None:
+        self.worker.stop_at(dispatch, step, checkpoint)
+
+    def heartbeat(self) -> Heartbeat:
+        return self.worker.heartbeat()
+
+    def stacks(self) -> list[dict[str, Any]]:
+        return self.worker.stacks()
+
+    def profile(self, req_id: str, steps: int, folder: str) -> None:
+        self.worker.profile(req_id, steps, folder)
+
+    def finish(self) -> list[CommitRecord]:
+        return self.worker.finish()
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+    def reset(self, rank: int, world_size: int, attempt: int) -> None:
+        self.worker.reset(rank, world_size, attempt)
+
+    def release(self, rank: int, world_size: int, attempt: int) -> PeerState | None:
+        return self.worker.release(rank, world_size, attempt)
+
+    def abort(self) -> bool:
+        return self.worker.abort()
+
+    def prepare(self) -> float:
+        return self.worker.prepare()
+
+
+@cache
+def _import_dynamo() -> None:
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception as exc:  # setup imports it again (and raises there if it must)
+        logger.warning("importing torch._dynamo ahead of DDP failed: %s", exc)
+
+
+# The modules a worker runs; the operator tools (inspect, __main__) do not change what trains. A name
+# ending in "/" is a subpackage: every .py file under it counts.
+_TRAINING_MODULES = (
+    "checkpoint.py",
+    "config.py",
+    "data.py",
+    "dist.py",
+    "errors.py",
+    "evaluate.py",
+    "group.py",
+    "load.py",
+    "pace.py",
+    "parquet.py",
+    "peer.py",
+    "preemption.py",
+    "process.py",
+    "profiling.py",
+    "stacks.py",
+    "storage.py",
+    "task.py",
+    "worker.py",
+    "worker_group/",
+)
+
+
+def _sources(here: str, name: str) -> list[str]:
+    """The files of one ``_TRAINING_MODULES`` entry, relative to ``here``, in a fixed order."""
+    if not name.endswith("/"):
+        return [name] if os.path.exists(os.path.join(here, name)) else []
+    out = []
+    for root, dirs, files in os.walk(os.path.join(here, name)):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        out += [os.path.relpath(os.path.join(root, f), here) for f in sorted(files) if f.endswith(".py")]
+    return out
+
+
+def code_fingerprint() -> tuple[str, str]:
+    """(directory, sha256 of its sources) of the ``cluster`` package this process imported."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest = hashlib.sha256()
+    for name in _TRAINING_MODULES:
+        for path in _sources(here, name):
+            with open(os.path.join(here, path), "rb") as fh:
+                digest.update(path.encode() + b"\0" + fh.read())
+    return here, digest.hexdigest()
+
+
+def check_same_code(codes: list[tuple[str, str]], nodes: list[tuple[str, str]]) -> None:
+    """Refuse to train when a worker imported a different ``cluster`` than the driver (e.g. a node's
+    installed copy instead of the job's ``--working-dir``): mixed code silently breaks checkpoints."""
+    here, mine = code_fingerprint()
+    for rank, (where, theirs) in enumerate(codes):
+        if theirs != mine:
+            raise ConfigError(
+                f"rank {rank} on {nodes[rank][1]} imports the cluster package from {where} (sources "
+                f"{theirs[:12]}) but the driver runs {here} ({mine[:12]}): "
+                "the workers would not run the job's "
+                "code. Submit with `ray job submit --working-dir <repo root>` (Ray puts it first on every "
+                "worker's PYTHONPATH), or install the same version of this package on every node"
+            )
