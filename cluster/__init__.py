@@ -34,20 +34,22 @@ from cluster.parquet import ParquetDataset
 from cluster.task import Task
 
 if TYPE_CHECKING:
+    from cluster.api import Result, train
     from cluster.control import request_stop
-    from cluster.driver import Driver, FailurePolicy, Result, train
+    from cluster.driver import Driver
     from cluster.dryrun import DryRunReport, dry_run
     from cluster.inspect import run_metrics
     from cluster.load import Checkpoint, evaluate_checkpoint, load_checkpoint, load_model
+    from cluster.policy import FailurePolicy
     from cluster.submit import SubmittedJob, submit
 
 # Imported on first use: a worker process imports this package (its actor class lives in it) but never the
 # driver, whose imports (pyarrow for the metrics files, tracking) cost each worker ~0.35 s of CPU at start.
 _LAZY = {
     "Driver": "cluster.driver",
-    "FailurePolicy": "cluster.driver",
-    "Result": "cluster.driver",
-    "train": "cluster.driver",
+    "FailurePolicy": "cluster.policy",
+    "Result": "cluster.api",
+    "train": "cluster.api",
     "Checkpoint": "cluster.load",
     "load_checkpoint": "cluster.load",
     "load_model": "cluster.load",

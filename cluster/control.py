@@ -13,7 +13,10 @@ driver takes every rank's thread stacks, writes them to ``<run>/diagnostics/`` a
 the request's id, then removes the request.
 
 Ctrl-C and ``ray job stop`` (SIGINT, SIGTERM) reach the same stop through the driver's signal handlers
-(:func:`cluster.driver.train`); a second signal stops at once, as before.
+(:func:`cluster.api.train`); a second signal stops at once, as before.
+
+:class:`RunControl` is the driver's side of all of this: the stop asked for (by a signal, the stop file or
+``training.time_limit_s``) and the requests it must answer while ranks train (stacks, profiles).
 """
 
 from __future__ import annotations
@@ -27,9 +30,14 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from cluster.errors import StorageError
 from cluster.storage import Storage
+
+if TYPE_CHECKING:
+    from cluster.group import WorkerGroup
+    from cluster.record import RunRecord
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +47,8 @@ STACKS_FILE = f"{CONTROL}/stacks.json"
 PROFILE_FILE = f"{CONTROL}/profile.json"
 ANSWERED = (STACKS_FILE, PROFILE_FILE)
 """Requests the driver answers (and removes) while the ranks train; ``STOP_FILE`` ends the job instead."""
+STACKS_TIMEOUT_S = 5.0
+"""How long the driver waits for the ranks' stacks; a rank that did not answer by then is named silent."""
 STOP_POLL_S = 5.0
 """While the ranks train, the driver lists ``control/`` at most once per this many seconds (one storage
 listing; on an object store, one LIST request)."""
@@ -105,6 +115,181 @@ class DriverBeat:
             if not self._logged:
                 logger.warning("could not write %s: %s: %s", DRIVER_FILE, type(exc).__name__, exc)
                 self._logged = True
+
+
+class RunControl:
+    """The driver's view of the run's requests (module doc). ``stop`` is set once a stop is asked for; the
+    stop file is read without retries, so a storage outage never stalls the loop that watches the ranks."""
+
+    def __init__(self, run: Storage, time_limit_s: float | None) -> None:
+        self.storage = Storage(run.root, run.options, retries=0, retry_budget_s=0.0)
+        self.time_limit_s = time_limit_s
+        self.started_at = time.time()
+        self.stop: StopRequest | None = None
+        self._next_check = 0.0  # while ranks train
+        self._next_wait_check = 0.0  # while no group trains
+        self._error_logged = False
+
+    def request_stop(self, reason: str) -> None:
+        """Only sets a field: safe from a signal handler or another thread."""
+        if self.stop is None:
+            self.stop = StopRequest(reason, time.time())
+
+    def clear_stale(self, run: Storage) -> None:
+        """Before the driver starts: requests from before it (nothing answered them then) are removed."""
+        stale = read_stop_request(run)
+        if stale is not None and stale.requested_at <= self.started_at:
+            logger.warning(
+                "removing a stop request from before this job started (%s, %s): no job was running then",
+                stale.reason,
+                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stale.requested_at)),
+            )
+            clear_stop_request(run)
+        for path in ANSWERED:
+            asked = read_request(run, path)
+            if asked is not None and float(asked.get("requested_at", 0)) <= self.started_at:
+                logger.warning("removing %s, from before this job started: no job was running then", path)
+                take_request(run, path)
+
+    def watch(self) -> list[tuple[str, dict[str, Any]]]:
+        """While ranks train: read ``control/`` (at most every ``STOP_POLL_S``) and the time limit; returns
+        the requests to answer now (``STACKS_FILE`` / ``PROFILE_FILE`` with what was asked)."""
+        now = time.time()
+        asked: list[tuple[str, dict[str, Any]]] = []
+        if now >= self._next_check:
+            self._next_check = now + STOP_POLL_S
+            asked = self._read(group_requests=True)
+        self._check_time_limit(now)
+        return asked
+
+    def stop_asked(self) -> bool:
+        """While no group trains (backing off, waiting for room): whether the run is asked to stop (a
+        signal, the stop file read at most every ``STOP_POLL_S``, ``training.time_limit_s``)."""
+        now = time.time()
+        if self.stop is None and now >= self._next_wait_check:
+            self._next_wait_check = now + STOP_POLL_S
+            self._read(group_requests=False)
+        self._check_time_limit(now)
+        return self.stop is not None
+
+    def _check_time_limit(self, now: float) -> None:
+        limit = self.time_limit_s
+        if limit is not None and now - self.started_at >= limit:
+            self.request_stop(f"training.time_limit_s={limit:g} reached")
+
+    def _read(self, group_requests: bool) -> list[tuple[str, dict[str, Any]]]:
+        """One listing of ``control/``: a stop asked for, stacks and profiles asked for (taken, to be
+        answered at once). Without ``group_requests`` (no group trains) only a stop is taken; the others
+        wait for the ranks. Storage trouble only delays them."""
+        asked: list[tuple[str, dict[str, Any]]] = []
+        try:
+            found = pending(self.storage)
+            if STOP_FILE in found and self.stop is None:
+                req = read_stop_request(self.storage)
+                if req is not None:
+                    self.request_stop(req.reason)
+            if group_requests:
+                for path in (STACKS_FILE, PROFILE_FILE):
+                    if path in found:
+                        asked.append((path, take_request(self.storage, path)))
+        except StorageError as exc:  # storage down: the next poll tries again; training goes on
+            if not self._error_logged:
+                logger.warning("could not read the run's control requests: %s", exc)
+                self._error_logged = True
+        return asked
+
+    def clear_stop(self, run: Storage) -> None:
+        """The stop was acted on: remove its file (the next submission removes it as stale otherwise)."""
+        try:
+            clear_stop_request(run)
+        except StorageError as exc:
+            logger.warning("could not remove the stop request file: %s", exc)
+
+
+def dump_stacks(
+    group: WorkerGroup,
+    record: RunRecord,
+    reason: str,
+    kind: str,
+    step: int | None,
+    attempt: int,
+    hosts: list[str],
+    request: str | None = None,
+) -> None:
+    """Every rank's thread stacks to ``diagnostics/`` (the full report), a ``stacks`` event (where each
+    group of ranks stands) and console lines. Never raises: it serves a diagnosis, and must not stand in
+    the way of the recovery that follows a hang."""
+    from cluster import stacks as stack_dump
+
+    storage = record.storage
+    try:
+        raw = group.stacks(STACKS_TIMEOUT_S)
+        stacks = {r: stack_dump.from_wire(x) if x is not None else None for r, x in enumerate(raw)}
+        groups, silent = stack_dump.group(stacks)
+        rel = f"diagnostics/stacks_{time.strftime('%Y%m%d-%H%M%S')}_attempt{attempt}_{kind}.txt"
+        storage.write_atomic(rel, stack_dump.render(reason, stacks, hosts, step).encode())
+        record.event(
+            "stacks",
+            reason=reason,
+            kind=kind,
+            step=step,
+            attempt=attempt,
+            request=request,
+            path=rel,
+            groups=[{"ranks": g.ranks, "where": g.where} for g in groups],
+            silent=silent,
+        )
+        lines = [f"  ranks {stack_dump.ranges(g.ranks)}: {g.where}" for g in groups]
+        if silent:
+            lines.append(f"  ranks {stack_dump.ranges(silent)}: no answer")
+        record.print(
+            f"[{record.name}] where the ranks are ({reason}); every thread in {storage.url(rel)}\n"
+            + "\n".join(lines)
+        )
+    except Exception as exc:  # a diagnosis that fails is logged; the run goes on
+        logger.warning("could not take the ranks' stacks: %s: %s", type(exc).__name__, exc)
+
+
+def start_profile(
+    group: WorkerGroup, record: RunRecord, asked: dict[str, Any], world_size: int, step: int, attempt: int
+) -> None:
+    """Hand a profile request to the ranks it names (``cluster.profiling``); they write the files."""
+    from cluster import stacks as stack_dump
+    from cluster.profiling import MAX_STEPS
+
+    req_id = str(asked.get("id") or uuid.uuid4().hex[:12])
+    steps = min(max(int(asked.get("steps") or 5), 1), MAX_STEPS)
+    wanted = asked.get("ranks")
+    ranks = sorted({int(r) for r in wanted if 0 <= int(r) < world_size}) if wanted else []
+    ranks = ranks or list(range(world_size))
+    folder = f"profiles/{time.strftime('%Y%m%d-%H%M%S')}-{req_id}"
+    group.profile(req_id, steps, ranks, folder)
+    record.event(
+        "profile_requested",
+        request=req_id,
+        by=asked.get("by"),
+        ranks=ranks,
+        steps=steps,
+        folder=folder,
+        step=step,
+        attempt=attempt,
+    )
+    record.print(
+        f"[{record.name}] profiling {steps} step(s) on ranks {stack_dump.ranges(ranks)} "
+        f"(asked for by {asked.get('by', '?')}): {record.storage.url(folder)}"
+    )
+
+
+def grace_note(reason: str) -> str:
+    """Under ``ray job submit``, ``ray job stop`` SIGKILLs the driver RAY_JOB_STOP_WAIT_TIME_S (3 by default)
+    after its SIGTERM: say how long the stop has, and how to give it more."""
+    if reason != "SIGTERM" or "RAY_JOB_CONFIG_JSON_ENV_VAR" not in os.environ:
+        return ""
+    wait = os.environ.get("RAY_JOB_STOP_WAIT_TIME_S", "3")
+    return (
+        f" (`ray job stop` kills this driver {wait}s after its SIGTERM; a longer RAY_JOB_STOP_WAIT_TIME_S in "
+        "the job's runtime_env env_vars gives the checkpoint time to commit)"
+    )
 
 
 def driver_seen(run: Storage) -> dict[str, Any] | None:

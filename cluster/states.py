@@ -19,6 +19,25 @@ from cluster.peer import PeerPlan
 from cluster.preemption import Move
 
 
+@dataclass(frozen=True)
+class Stop:
+    """The group's mode while a stop asked for takes effect: every rank stops after ``step`` with a
+    checkpoint there."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class Grow:
+    """The group's mode while it stops (after ``step``, with a checkpoint there) to start again larger."""
+
+    step: int
+
+
+Mode = Stop | Grow | Move | None
+"""What a running group is doing besides training: nothing, stopping, stopping to grow, or moving ranks."""
+
+
 class State:
     """A state of the driver. Each carries what its step needs; ``Driver._step`` returns the next one."""
 

@@ -33,7 +33,7 @@ import signal
 import sys
 
 from cluster import ClusterError, ConfigError, load_config, local_ray, train
-from cluster.driver import ensure_ray, preflight, result_to_json
+from cluster.api import ensure_ray, preflight, result_to_json
 
 
 def main(argv: list[str] | None = None) -> int:

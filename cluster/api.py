@@ -1,0 +1,174 @@
+"""The entry points: train a job from Python (``cluster.train``), the checks that run before anything starts,
+connecting to (or starting) Ray, Ctrl-C / ``ray job stop`` handling, and the :class:`Result` a run returns.
+
+``python -m jobs.train`` and ``cluster.submit`` reach the same :func:`train`; the state machine that runs the
+job is :class:`cluster.driver.Driver`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, TextIO
+
+from cluster import local_ray
+from cluster.checkpoint import CheckpointStore
+from cluster.config import JobConfig, resolve_notify_url
+from cluster.errors import ConfigError
+from cluster.group import WorkerGroup
+from cluster.storage import Storage, join, normalize_url
+from cluster.task import Task, task_path
+
+if TYPE_CHECKING:
+    from cluster.driver import Driver
+
+
+@dataclass
+class Result:
+    """What a finished (or failed) run returns."""
+
+    name: str
+    run_url: str
+    status: str
+    epochs_completed: int
+    global_step: int
+    metrics: dict[str, Any]
+    latest_checkpoint: str | None
+    attempts: int
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    world_size: int = 0
+    error: str | None = None
+    slow_ranks: list[dict[str, Any]] = field(default_factory=list)
+    """Each ``slow_rank`` event of this submission: a rank that held the others up (docs/failures.md)."""
+    evaluation: dict[str, Any] | None = None
+    """The latest evaluation of this submission (``global_step``, ``epoch``, ``loss`` and the task's eval
+    metrics); None when the task has no eval set or none ran."""
+    stopped_early: bool = False
+    """Early stopping (``evaluation.patience``) ended the run before its last epoch."""
+    stop_reason: str | None = None
+    """With status ``stopped``: who asked (``SIGINT``, ``SIGTERM``, ``python -m cluster stop by ...``). The
+    ranks stopped at ``global_step`` with a checkpoint there; resubmitting the same job resumes from it."""
+    skipped_steps: list[tuple[int, int]] = field(default_factory=list)
+    """The run's skip windows (first and last step, inclusive): ``training.skip_steps`` and each NaN
+    rollback's (``failures.nan_skip_steps``). Their batches were not trained."""
+
+
+def result_to_json(result: Result) -> str:
+    return json.dumps(asdict(result), indent=1, default=str)
+
+
+def ray_group_factory(cfg: JobConfig, run_url: str, attempt: int, task_cls: Any = None) -> WorkerGroup:
+    """The driver's default group factory: a gang of Ray actors."""
+    from cluster.worker_group import RayWorkerGroup
+
+    return RayWorkerGroup(cfg, run_url, attempt, task_cls)
+
+
+def ensure_ray(cfg: JobConfig) -> bool:
+    """Connect to the Ray in ``RAY_ADDRESS`` (set inside ``ray job submit``) or start an embedded one.
+
+    Returns True when this call started Ray (the caller shuts it down).
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        return True
+    s = cfg.scaling
+    local_ray.start(max(os.cpu_count() or 1, int(s.num_workers * s.cpus_per_worker + 0.999)))
+    return True
+
+
+def check_cluster(cfg: JobConfig) -> None:
+    """Fail before anything starts when the cluster can never run this job."""
+    import ray
+
+    total = ray.cluster_resources()
+    if cfg.scaling.use_gpu and total.get("GPU", 0) < 1:
+        raise ConfigError(
+            "scaling.use_gpu=true but the Ray cluster has no GPUs; "
+            "set scaling.use_gpu=false to train on CPUs, "
+            "or connect to a cluster with GPU nodes (RAY_ADDRESS)"
+        )
+
+
+def preflight(cfg: JobConfig, task: type[Task] | None = None) -> None:
+    """Checks that need no Ray and write nothing, run before Ray starts: the task imports (unless given as
+    a class), and the storage is one that the workers (other processes, often other machines) can see."""
+    from cluster.task import load_task_class
+
+    if task is None:
+        load_task_class(cfg.task)  # an unknown task is a config error, found before anything starts
+    resolve_notify_url(cfg.tracking)  # env:NAME set where the driver runs
+    if cfg.training.init_from is not None:
+        from cluster.load import check_init_from
+
+        run = Storage(join(normalize_url(cfg.storage.url), cfg.name), cfg.storage.options)
+        if not CheckpointStore(run).list():  # a run that resumes from its own checkpoint ignores init_from
+            check_init_from(cfg.training.init_from, cfg.training.init_from_step, cfg.storage.options)
+    if cfg.storage.url.strip().lower().startswith("memory://"):
+        raise ConfigError(
+            f"storage.url={cfg.storage.url!r}: memory:// lives inside one process, and the workers are Ray "
+            "actors in other processes that would each see an empty store; use a local folder (./runs), "
+            "a shared mount, or an object store (s3://, gs://)"
+        )
+
+
+def train(cfg: JobConfig, out: TextIO | None = None, task: type[Task] | None = None) -> Result:
+    """Run (or resume) the job described by ``cfg`` to completion and return its Result.
+
+    ``task``: the Task class itself instead of ``cfg.task``'s import path (which then records it): sent to
+    the workers by value, so a class defined in a notebook or in the running script works. Uses the Ray
+    cluster in ``RAY_ADDRESS`` or an already initialised one; otherwise starts an embedded local Ray and
+    shuts it down afterwards.
+    """
+    from cluster.driver import Driver
+
+    if task is not None:
+        cfg = dataclasses.replace(cfg, task=task_path(task))
+    preflight(cfg, task)
+    started = ensure_ray(cfg)
+    try:
+        check_cluster(cfg)
+        factory = functools.partial(ray_group_factory, task_cls=task) if task is not None else None
+        driver = Driver(cfg, group_factory=factory, out=out)
+        with stop_on_signals(driver):
+            return driver.run()
+    finally:
+        if started:
+            local_ray.shutdown()
+
+
+@contextlib.contextmanager
+def stop_on_signals(driver: Driver) -> Iterator[None]:
+    """While ``driver`` runs in the main thread: the first SIGINT (Ctrl-C) or SIGTERM (``ray job stop``)
+    stops it cleanly (``Driver.request_stop``: a checkpoint at the next step, status ``stopped``); a second
+    raises KeyboardInterrupt, which kills the workers at once. The previous handlers come back after.
+    Installed after ``ray.init``, whose own SIGTERM handler would end the process without the checkpoint."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    names: dict[int, str] = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM"}
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def handler(signum: int, frame: object) -> None:
+        if driver.stopping:
+            raise KeyboardInterrupt(f"{names.get(signum, signum)} again while stopping")
+        driver.request_stop(names.get(signum, str(signum)))  # only sets a field: the loop prints and acts
+
+    for sig in previous:
+        signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

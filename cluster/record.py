@@ -1,0 +1,662 @@
+"""The run's record: what the driver writes about a run while it runs it, kept apart from the running.
+
+One :class:`RunRecord` per driver. Each of its methods records one thing that happened, writing the event
+(``events/NNNNNN.jsonl``), its console line and, where there are any, the metric rows (``metrics/``) and
+tracking (TensorBoard, MLflow, notifications) together, so the driver's state machine only says *what*
+happened. It also keeps what the run's :class:`cluster.api.Result` reports (metrics, evaluations, slow
+ranks) and builds it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import platform
+import time
+from typing import Any, TextIO
+
+import torch
+
+from cluster.checkpoint import CheckpointInfo, CheckpointStore, CommitRecord, step_dir
+from cluster.config import JobConfig, resolve_notify_url
+from cluster.errors import ConfigError, Failure
+from cluster.evaluate import eval_due
+from cluster.group import EpochResult, SetupInfo
+from cluster.metrics import EventLog, ProgressDisplay, write_metrics
+from cluster.policy import SlowRank
+from cluster.preemption import Move
+from cluster.states import RecoveryTiming
+from cluster.storage import Storage
+from cluster.tracking import MlflowSink, Sink, TensorBoardSink, Tracker, WebhookSink
+
+logger = logging.getLogger(__name__)
+
+__version__ = "0.1.0"
+
+
+class RunRecord:
+    """Events, console lines, metric rows and tracking of one run (module doc)."""
+
+    def __init__(self, cfg: JobConfig, storage: Storage, out: TextIO) -> None:
+        self.cfg = cfg
+        self.name = cfg.name
+        self.storage = storage
+        self.out = out
+        self.events = EventLog(storage)
+        self.display: ProgressDisplay | None = None
+        self.tracker: Tracker | None = None
+        self.rows: list[dict[str, Any]] = []  # rank 0's step rows streamed by heartbeats, not yet written
+        self.evaluated: set[int] = set()  # global steps whose evaluation was recorded (any submission)
+        self.last_eval: dict[str, Any] | None = None
+        self.last_metrics: dict[str, Any] = {}
+        self.slow_reports: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------ the run's files
+    def open(self) -> None:
+        """``run.json`` (written by the run's first driver; later ones check their config against it), the
+        evaluations already recorded, and the tracking sinks."""
+        try:
+            previous = json.loads(self.storage.read_bytes("run.json"))
+        except FileNotFoundError:
+            previous = None
+        if previous is not None:
+            check_compatible(previous.get("config", {}), self.cfg)
+            self.evaluated = {
+                int(r["global_step"]) for r in self.events.records() if r.get("event") == "evaluation"
+            }
+        else:
+            info = {
+                "name": self.cfg.name,
+                "created": time.time(),
+                "config": self.cfg.to_dict(),
+                "versions": {
+                    "cluster": __version__,
+                    "torch": torch.__version__,
+                    "ray": _ray_version(),
+                    "python": platform.python_version(),
+                },
+            }
+            self.storage.write_atomic("run.json", json.dumps(info, indent=1, default=str).encode())
+        self.tracker = self._make_tracker()
+        if self.tracker is not None:
+            self.events.listeners.append(self.tracker.event)
+
+    def _make_tracker(self) -> Tracker | None:
+        tr = self.cfg.tracking
+        sinks: list[Sink] = []
+        if tr.tensorboard:
+            sinks.append(TensorBoardSink(self.storage))
+        if tr.mlflow_uri:
+            config = self.cfg.to_dict()
+            history = self.events.records()
+            sinks.append(
+                MlflowSink(tr.mlflow_uri, tr.mlflow_experiment, self.storage, config, self.cfg.name, history)
+            )
+        url = resolve_notify_url(tr)
+        if url:
+            sinks.append(WebhookSink(url, tr.notify_events, self.cfg.name, self.storage.root))
+        return Tracker(sinks, tr.queue_size, tr.flush_timeout_s) if sinks else None
+
+    def track(self, rows: list[dict[str, Any]]) -> None:
+        """Hand metric rows to tracking (returns at once) and record what the sinks reported."""
+        if self.tracker is None:
+            return
+        self.tracker.rows(rows)
+        for event, fields in self.tracker.notes():
+            self.events.append(event, **fields)
+
+    def close_tracking(self, status: str, finished: bool) -> None:
+        """Send the summary and wait for tracking (at most ``tracking.flush_timeout_s``); never raises."""
+        tracker, self.tracker = self.tracker, None
+        if tracker is None:
+            return
+        records = self.events.records()
+        infos = CheckpointStore(self.storage).list()
+        summary = {
+            "status": status,
+            "checkpoint": step_dir(infos[-1].step) if infos and finished else None,
+            "attempts": sum(1 for r in records if r["event"] == "group_started"),
+            "failures_survived": sum(1 for r in records if r["event"] == "recovered"),
+        }
+        try:
+            left = tracker.close(summary)
+            for event, fields in tracker.notes():
+                self.events.append(event, **fields)
+            if left is not None:
+                self.events.append("tracking_incomplete", timeout_s=tracker.flush_timeout_s, **left)
+        except Exception as exc:  # the run's own result must not be lost to a tracking problem
+            logger.warning("closing tracking failed: %s: %s", type(exc).__name__, exc)
+
+    # ------------------------------------------------------------------ console
+    def print(self, text: str) -> None:
+        """One console line (above the live bar when one is drawn)."""
+        if self.display is not None:
+            self.display.line(text)
+        else:
+            self.out.write(text + "\n")
+            self.out.flush()
+
+    def event(self, kind: str, /, **fields: Any) -> None:
+        self.events.append(kind, **fields)
+
+    # ------------------------------------------------------------------ starting
+    def already_complete(self, global_step: int, early_stopped: bool) -> None:
+        cfg = self.cfg
+        if early_stopped:
+            self.print(
+                f"[{self.name}] stopped early at step {global_step} (evaluation.patience="
+                f"{cfg.evaluation.patience}); nothing to train. Raise evaluation.patience, or set "
+                "it to null, to train on"
+            )
+        else:
+            self.print(
+                f"[{self.name}] all {cfg.training.epochs} epochs are already done (checkpoint at step "
+                f"{global_step}); nothing to train"
+            )
+        self.event("already_complete", global_step=global_step, early_stopped=early_stopped)
+
+    def shrunk(self, old: int, new: int) -> None:
+        s = self.cfg.scaling
+        self.event(
+            "resize",
+            old=old,
+            new=new,
+            reason=f"resources for {s.num_workers} workers not available within {s.resource_wait_s:g}s",
+        )
+        minimum = self.cfg.effective_min_workers
+        self.print(f"continuing with {new}/{s.num_workers} workers (scaling.min_workers={minimum})")
+
+    def skipped_checkpoints(self, head: SetupInfo) -> None:
+        for step, reason in head.skipped_checkpoints:
+            self.event("checkpoint_skipped", step=step, reason=reason)
+            self.print(f"skipped checkpoint step {step}: {reason}")
+
+    def group_started(
+        self, attempt: int, infos: list[SetupInfo], seconds: float, spare_note: str, steps_per_epoch: int
+    ) -> None:
+        """The group is set up: the checkpoints it skipped, the ``group_started`` event, the live bar and
+        the console line saying where it starts."""
+        head = infos[0]
+        self.display = ProgressDisplay(steps_per_epoch * self.cfg.training.epochs, self.out)
+        r = head.resume
+        niceness = sorted({i.niceness for i in infos})
+        self.event(
+            "group_started",
+            attempt=attempt,
+            world_size=len(infos),
+            backend=head.backend,
+            resume_step=r.global_step,
+            resume_epoch=r.epoch,
+            resume_checkpoint=r.checkpoint_url,
+            resume_world_size=r.world_size,
+            resume_source=r.source,
+            init_from=r.init_from,
+            pids=[i.pid for i in infos],
+            nodes=[i.node_id for i in infos],
+            hosts=sorted({i.hostname for i in infos}),
+            seconds=round(seconds, 3),
+            setup_s=_phase_max(infos),
+            hot_spare=spare_note,
+            allocator=sorted({i.allocator for i in infos}),
+            niceness=niceness,
+        )
+        for note in niceness:
+            if "not permitted" in note:
+                self.print(f"[{self.name}] warning: workers run at niceness {note}")
+        self.print(
+            f"[{self.name}] attempt {attempt}: {len(infos)} workers ({head.backend}) ready in "
+            f"{seconds:.1f}s, starting {_where(head)}"
+        )
+
+    # ------------------------------------------------------------------ training
+    def beat_rows(self, beats: list[Any]) -> None:
+        """The step rows rank 0 streams with its heartbeats: kept until written, tracked at once."""
+        for b in beats:
+            if b is not None and b.rows:
+                rows = self.arrived(b.rows)
+                self.rows.extend(rows)
+                self.track([{"kind": "step", **r} for r in rows])  # live in TensorBoard / MLflow
+
+    def arrived(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Metric rows as rank 0 hands them over; each new evaluation is recorded (event, console line)
+        and one repeated after a recovery is dropped: it was recorded once already."""
+        if not any(r.get("kind") == "eval" for r in rows):
+            return rows
+        out = []
+        for r in rows:
+            if r.get("kind") == "eval":
+                if r["global_step"] in self.evaluated:
+                    continue
+                self.evaluation(r)
+            out.append(r)
+        return out
+
+    def evaluation(self, row: dict[str, Any]) -> None:
+        step = int(row["global_step"])
+        self.evaluated.add(step)
+        metrics = {k[2:]: v for k, v in row.items() if k.startswith("m_")}
+        self.last_eval = {"global_step": step, "epoch": row["epoch"], "loss": row["loss"], **metrics}
+        self.event(
+            "evaluation",
+            global_step=step,
+            epoch=row["epoch"],
+            loss=row["loss"],
+            metrics=metrics,
+            samples=row.get("eval_samples"),
+            seconds=round(row["step_time_s"], 3),
+            world_size=row.get("world_size"),
+        )
+        shown = "".join(f", {k} {v:.4g}" for k, v in metrics.items())
+        self.print(
+            f"[{self.name}] eval at step {step} (epoch {row['epoch'] + 1}): loss {row['loss']:.4f}{shown}"
+            f" ({row.get('eval_samples')} samples, {row['step_time_s']:.1f}s)"
+        )
+
+    def eval_missing(self, step: int, steps_per_epoch: int) -> bool:
+        """An evaluation is due right at ``step`` (where training resumes) and was never recorded: the
+        failure took it (or its result) with it."""
+        cfg = self.cfg
+        return eval_due(step, steps_per_epoch, cfg.training.epochs, cfg.evaluation) and (
+            step not in self.evaluated
+        )
+
+    def epoch(
+        self,
+        head: EpochResult,
+        wall_s: float,
+        world_size: int,
+        attempt: int,
+        steps_per_epoch: int,
+    ) -> None:
+        """A whole epoch: its step rows and epoch row, its checkpoints, ``epoch_end`` and the console's
+        epoch line."""
+        assert self.display is not None
+        cfg = self.cfg
+        samples_per_s = head.samples / wall_s if wall_s > 0 else 0.0
+        epoch_row = {
+            "kind": "epoch",
+            "time": time.time(),
+            "global_step": head.global_step,
+            "epoch": head.epoch,
+            "step_in_epoch": steps_per_epoch,
+            "loss": head.loss,
+            "step_time_s": head.seconds / max(1, head.steps),
+            "samples_per_s": samples_per_s,
+            "checkpoint_stall_s": sum(c.stall_s for c in head.commits),
+            "world_size": world_size,
+            "attempt": attempt,
+            "lr": next((r["lr"] for r in reversed(head.step_rows) if r.get("lr") is not None), None),
+            **{f"m_{k}": v for k, v in head.metrics.items()},
+        }
+        streamed, self.rows = self.rows, []  # tracked as their heartbeats brought them
+        unstreamed = [{"kind": "step", **r} for r in self.arrived(head.step_rows)] + [epoch_row]
+        write_metrics(
+            self.storage, [{"kind": "step", **r} for r in streamed] + unstreamed, head.epoch, attempt
+        )
+        self.track(unstreamed)
+        self.commits(head.commits)
+        self.event(
+            "epoch_end",
+            epoch=head.epoch,
+            global_step=head.global_step,
+            loss=head.loss,
+            seconds=round(wall_s, 3),
+            samples_per_s=round(samples_per_s, 1),
+            world_size=world_size,
+            **({"skipped_steps": head.skipped} if head.skipped else {}),
+        )
+        self.last_metrics = {
+            "epoch": head.epoch,
+            "loss": head.loss,
+            "samples_per_s": samples_per_s,
+            "global_step": head.global_step,
+            "epoch_seconds": wall_s,
+            **head.metrics,
+        }
+        remaining_steps = (cfg.training.epochs - head.epoch - 1) * steps_per_epoch
+        eta = remaining_steps * (wall_s / max(1, head.steps))
+        self.display.epoch_line(
+            head.epoch, cfg.training.epochs, head.global_step, head.loss, samples_per_s, eta
+        )
+
+    def partial(self, head: EpochResult, attempt: int) -> None:
+        """A stopped epoch's step rows and checkpoints (its end is recorded by the epoch that finishes it)."""
+        streamed, self.rows = self.rows, []
+        rows = [{"kind": "step", **r} for r in streamed + self.arrived(head.step_rows)]
+        if rows:
+            write_metrics(self.storage, rows, head.epoch, attempt)
+            self.track(rows[len(streamed) :])
+        self.commits(head.commits)
+
+    def flush_rows(self, more: list[dict[str, Any]], epoch: int, attempt: int) -> None:
+        """After a failure: write every step row rank 0 logged before it (nothing recorded is lost)."""
+        more = self.arrived(more)
+        rows, self.rows = self.rows + more, []
+        if rows:
+            step_rows = [{"kind": "step", **r} for r in rows]
+            write_metrics(self.storage, step_rows, epoch, attempt)
+            self.track(step_rows[len(rows) - len(more) :])  # the heartbeats' rows are tracked already
+
+    def commits(self, commits: list[CommitRecord]) -> None:
+        for c in commits:
+            if c.error:
+                self.event("checkpoint_failed", step=c.step, error=c.error)
+                self.print(f"checkpoint at step {c.step} FAILED (not used): {c.error}")
+            else:
+                self.event(
+                    "checkpoint",
+                    step=c.step,
+                    epoch=c.epoch,
+                    url=c.url,
+                    bytes=c.bytes,
+                    stall_s=round(c.stall_s, 4),
+                    write_s=round(c.write_s, 3),
+                )
+
+    def spare_ready(self, attempt: int, prepare_s: float) -> None:
+        self.event("spare_ready", attempt=attempt, prepare_s=round(prepare_s, 3))
+
+    def slow_rank(self, r: SlowRank, host: str, step: int, attempt: int) -> None:
+        report = {
+            "rank": r.rank,
+            "host": host,
+            "step": step,
+            "attempt": attempt,
+            "ratio": round(r.ratio, 2),
+            "compute_ms": round(r.compute_s * 1000, 1),
+            "others_ms": round(r.others_s * 1000, 1),
+            "step_ms": round(r.step_s * 1000, 1),
+            "input_ms": round(r.input_s * 1000, 1),
+            "others_input_ms": round(r.others_input_s * 1000, 1),
+        }
+        self.event("slow_rank", **report)
+        self.slow_reports.append(report)
+        self.print(
+            f"[{self.name}] rank {r.rank} on {host} is slow: its own part of each step takes "
+            f"{r.compute_s * 1000:.0f} ms against {r.others_s * 1000:.0f} ms on the other ranks "
+            f"({r.ratio:.1f}x), and every rank waits for it (steps take {r.step_s * 1000:.0f} ms). "
+            + slow_cause(r)
+        )
+
+    def slow_rank_cleared(self, rank: int, host: str, step: int, attempt: int) -> None:
+        self.event("slow_rank_cleared", rank=rank, host=host, step=step, attempt=attempt)
+        self.print(f"[{self.name}] rank {rank} on {host} keeps pace again")
+
+    # ------------------------------------------------------------------ ends
+    def early_stopped(self, head: EpochResult) -> None:
+        best = head.best or {}
+        metric = self.cfg.checkpoint.best_metric
+        patience = self.cfg.evaluation.patience
+        self.event(
+            "early_stopped",
+            global_step=head.global_step,
+            metric=metric,
+            best_step=best.get("step"),
+            best_value=best.get("value"),
+            evaluations_since_best=best.get("since"),
+            patience=patience,
+        )
+        self.print(
+            f"[{self.name}] stopping early at step {head.global_step}: {metric} has not improved for "
+            f"{best.get('since')} evaluations (evaluation.patience={patience}); the "
+            f"best, {best.get('value', float('nan')):.4g} at step {best.get('step')}, is kept: "
+            f'load_model(run, step="best")'
+        )
+
+    def finished(self, global_step: int, loss: float, attempts: int) -> None:
+        self.event("finished", global_step=global_step, loss=loss, attempts=attempts)
+        self.print(
+            f"[{self.name}] finished: {global_step} steps, loss {loss:.4f}, "
+            f"checkpoints in {self.storage.root}/checkpoints"
+        )
+
+    def grown(self, old: int, new: int, at_step: int) -> None:
+        self.event("resize", old=old, new=new, reason="resources returned", at_step=at_step)
+        self.print(f"resources returned: growing {old} -> {new} workers")
+
+    def stop_requested(self, reason: str, stop_step: int, grace: str) -> None:
+        self.event("stop_requested", reason=reason, stop_step=stop_step)
+        self.print(
+            f"[{self.name}] stopping ({reason}): every rank stops after step {stop_step} "
+            f"with a checkpoint there{grace}. Once more to stop at once (no checkpoint)"
+        )
+
+    def stopped(
+        self, reason: str, requested_at: float, global_step: int, committed: bool, note: str | None
+    ) -> None:
+        infos = CheckpointStore(self.storage).list()
+        latest = infos[-1].step if infos else None
+        seconds = time.time() - requested_at
+        self.event(
+            "stopped",
+            reason=reason,
+            global_step=global_step,
+            checkpoint_step=latest,
+            committed=committed,
+            seconds=round(seconds, 3),
+            note=note,
+        )
+        where = (
+            f"its checkpoint at step {latest} is committed"
+            if committed
+            else f"no checkpoint at the stop ({note or 'it failed to commit'}); the newest is at step "
+            f"{latest}"
+        )
+        self.print(
+            f"[{self.name}] stopped at step {global_step} ({reason}) in "
+            f"{seconds:.1f}s: {where}. Resubmit the same job to resume"
+        )
+
+    def run_failed(self, exc: BaseException) -> None:
+        self.event("run_failed", error=str(exc)[:4000])
+
+    # ------------------------------------------------------------------ failures and recovery
+    def failure(self, failure: Failure, attempt: int, step: int | None) -> None:
+        self.event(
+            "failure",
+            kind=failure.kind,
+            rank=failure.rank,
+            attempt=attempt,
+            message=failure.message[-4000:],
+            step=step,
+        )
+        self.print(f"FAILURE ({failure.kind}, rank {failure.rank}): {failure.message.splitlines()[0][:300]}")
+
+    def recovered(self, timing: RecoveryTiming, first_step_at: float) -> None:
+        phases = timing.phases(first_step_at)
+        self.event(
+            "recovered",
+            kind=timing.kind,
+            source=timing.source,
+            fallback=timing.fallback or None,
+            resume_step=timing.resume_step,
+            lost_steps=timing.lost_steps,
+            bytes=timing.nbytes,
+            storage_reads=timing.storage_reads,
+            storage_read_bytes=timing.storage_read_bytes,
+            reused_workers=timing.reused_workers,
+            spare=timing.spare,
+            **{k: round(v, 3) for k, v in phases.items()},
+        )
+        self.print(
+            f"recovered from {timing.kind} ({timing.source}): first step "
+            f"{phases['detect_to_first_step_s']:.1f}s after detection, {timing.lost_steps} steps of work "
+            "lost, "
+            f"{fmt_bytes(timing.nbytes)} of state moved in {timing.transfer_s:.2f}s"
+        )
+
+    def rollback(self, back: dict[str, Any], resume_step: int) -> None:
+        first, last = back["window"]
+        trained = max(first, resume_step + 1)  # the window's steps the resumed weights have not trained
+        self.event(
+            "rollback",
+            window=[first, last],
+            skipped=[trained, last],
+            checkpoint_step=back["checkpoint_step"],
+            discarded=back["discarded"],
+            resume_step=resume_step,
+        )
+        where = f"checkpoint step {resume_step}" if back["checkpoint_step"] is not None else "the run's start"
+        note = (
+            f" (the newer kept checkpoints leave none before step {first}: steps {first}-{trained - 1} stay "
+            "trained)"
+            if trained > first
+            else ""
+        )
+        gone = f"; deleted the newer checkpoints {back['discarded']}" if back["discarded"] else ""
+        self.print(
+            f"[{self.name}] rolled back to {where} after a loss that was not finite: the batches of "
+            f"steps {trained}-{last} are skipped{note}{gone}"
+        )
+
+    # ------------------------------------------------------------------ moves
+    def preemption_notice(self, m: Move, now: float, step: int) -> None:
+        for n in m.notices:
+            left = n.seconds_left(now)
+            self.event(
+                "preemption_notice",
+                node=n.node_id,
+                ranks=list(n.ranks),
+                deadline=n.deadline,
+                seconds_left=None if left is None else round(left, 1),
+                step=step,
+            )
+            self.print(
+                f"[{self.name}] node {n.node_id[:12]} (ranks {list(n.ranks)}) is draining"
+                + (f": it goes in {left:.0f}s" if left is not None else " (no deadline)")
+            )
+
+    def slow_rank_move(self, rank: int, host: str, node: str, step: int, via: str) -> None:
+        self.event("slow_rank_move", rank=rank, host=host, node=node, step=step, via=via)
+        self.print(
+            f"[{self.name}] moving slow rank {rank} off {host} (failures.slow_rank_action=move): placing "
+            "a replacement on another node while training goes on"
+        )
+
+    def slow_rank_move_failed(self, ranks: list[int], why: str) -> None:
+        self.event("slow_rank_move_failed", ranks=ranks, reason=why)
+        self.print(f"[{self.name}] slow rank(s) {ranks} stay where they are: {why}")
+
+    def preemption_checkpoint(self, m: Move, step: int, committed: bool) -> None:
+        self.event(
+            "preemption_checkpoint",
+            step=step,
+            committed=committed,
+            ranks=m.ranks,
+            reason=m.reason,
+            seconds_before_deadline=(round(m.deadline - time.time(), 1) if m.deadline is not None else None),
+        )
+        self.print(f"[{self.name}] checkpoint at step {step} before the node goes: {m.reason}")
+
+    def moved(self, m: Move, infos: list[SetupInfo], t_ready: float) -> None:
+        r = infos[0].resume
+        event = ("slow_rank_moved" if m.slow else "preemption_move") if m.replaced else "resize"
+        fields: dict[str, Any] = {
+            "ranks": m.ranks,
+            "from_nodes": sorted(m.nodes),
+            "stop_step": m.stop_step,
+            "resume_step": r.global_step,
+            "lost_steps": max(0, (m.stop_step or 0) - r.global_step),
+            "source": r.source,
+            "stall_s": round(t_ready - (m.stop_requested_at or t_ready), 3),
+            "seconds_before_deadline": round(m.deadline - t_ready, 1) if m.deadline is not None else None,
+            "notice_to_moved_s": round(t_ready - m.noticed_at, 3),
+        }
+        if m.replaced:
+            fields["to_nodes"] = [infos[rank].node_id for rank in m.ranks]
+            fields["bytes"] = max(i.resume.nbytes for i in infos)
+            if m.reason:
+                fields["note"] = m.reason
+        else:
+            fields = {"old": len(infos) + len(m.ranks), "new": len(infos), "at_step": m.stop_step, **fields}
+            fields["reason"] = f"preemption: {m.reason}"
+        self.event(event, **fields)
+        self.print(
+            f"[{self.name}] moved ranks {m.ranks} off the draining node(s) "
+            f"({r.source}), {fields['lost_steps']} steps lost, training stalled {fields['stall_s']:.1f}s"
+            if m.replaced
+            else f"[{self.name}] continuing with {len(infos)} workers without the draining node(s)"
+        )
+
+
+def _where(head: SetupInfo) -> str:
+    """Where a group starts, for its console line."""
+    r = head.resume
+    where = (
+        f"from step {r.global_step} (epoch {r.epoch + 1}, step {r.step_in_epoch})"
+        if r.global_step
+        else "fresh"
+    )
+    if r.source == "peers":
+        where += f", state from rank {r.peer_source}'s memory"
+    if r.init_from is not None:
+        kept = r.init_from["kept_init"]
+        where += f", with the weights of {r.init_from['url']}" + (
+            f" ({len(kept)} tensors keep their own init: {', '.join(kept[:5])}"
+            + (" ..." if len(kept) > 5 else "")
+            + ")"
+            if kept
+            else ""
+        )
+    return where
+
+
+def slow_cause(r: SlowRank) -> str:
+    """Where a slow rank's extra time goes: waiting for its batches, or its forward and backward."""
+    extra_input = r.input_s - r.others_input_s
+    extra = r.compute_s - r.others_s
+    where = f"Its wait for input: {r.input_s * 1000:.0f} ms against {r.others_input_s * 1000:.0f} ms"
+    if extra > 0 and extra_input >= extra / 2:
+        return f"{where}: its input pipeline (storage, loader processes: training.loader_workers)."
+    return f"{where}: its forward and backward (its device or host)."
+
+
+def fmt_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
+def _phase_max(infos: list[SetupInfo]) -> dict[str, float]:
+    """Slowest rank's seconds per setup phase (each phase ends at the named timestamp)."""
+    out: dict[str, float] = {}
+    for info in infos:
+        marks = list(info.timings.items())
+        for (_, t0), (name, t1) in itertools.pairwise(marks):
+            out[name] = max(out.get(name, 0.0), round(t1 - t0, 3))
+    return out
+
+
+def check_compatible(previous: dict[str, Any], cfg: JobConfig) -> None:
+    """Refuse to resume a run with a config that would change what its checkpoints mean."""
+    now = cfg.to_dict()
+    for section, key in (("", "task"), ("training", "global_batch_size"), ("training", "seed")):
+        old = previous.get(section, {}).get(key) if section else previous.get(key)
+        new = now[section][key] if section else now[key]
+        if old is not None and old != new:
+            name = f"{section}.{key}" if section else key
+            raise ConfigError(
+                f"{name}={new!r} differs from {old!r} in the existing run {cfg.name!r}; "
+                "resuming would mix two "
+                f"different trainings. Keep {name}={old!r}, or choose a new name (--set name=...)"
+            )
+
+
+def ended_early(info: CheckpointInfo, patience: int | None) -> bool:
+    """The checkpoint early stopping wrote at the run's end, and this job stops as early: with the same
+    ``evaluation.patience`` (or a smaller one) a resubmission has nothing to train."""
+    stopped = info.manifest.get("early_stopped")
+    return isinstance(stopped, dict) and patience is not None and int(stopped.get("since", 0)) >= patience
+
+
+def _ray_version() -> str:
+    try:
+        import ray
+
+        return str(ray.__version__)
+    except ImportError:  # pragma: no cover
+        return "missing"
