@@ -79,7 +79,7 @@ def main() -> None:
     try:
         if "s3" in targets:
             sys.path.insert(0, REPO)
-            from tests.storage_fixtures import MotoS3, free_port
+            from tests.support.storage import MotoS3, free_port
 
             moto = MotoS3(free_port(), log_path=f"{tmp}/moto.log")
             moto.start()

@@ -14,8 +14,8 @@ import time
 from cluster.errors import Failure
 from cluster.group import EpochResult
 
-# The scripted group and helpers of the driver's scale test (imported by name: the tests are not typed)
-_scale = importlib.import_module("tests.unit.test_driver_scale")
+# The scripted group at scale, shared with the driver's scale test (imported by name: the tests are not typed)
+_scale = importlib.import_module("tests.support.scale")
 BigGroup, big_driver, cpu_per_round = _scale.BigGroup, _scale.big_driver, _scale.cpu_per_round
 
 

@@ -138,7 +138,7 @@ def child_product(spec: dict[str, Any], work: str, ignore: bool) -> dict[str, An
         [
             f"storage={work}/runs",
             "name=spot",
-            "task=tests.audit_task:AuditTask",
+            "task=tests.support.tasks:AuditTask",
             f"task_args={{audit_dir: {audit}, samples: {steps_per_epoch * BATCH}, "
             f"step_sleep_s: {spec['step_sleep']}}}",
             "scaling.num_workers=2",

@@ -19,7 +19,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from tests.storage_fixtures import moto_s3  # noqa: E402, F401  (a real moto_server S3 on loopback)
+from tests.support.storage import moto_s3  # noqa: E402, F401  (a real moto_server S3 on loopback)
 
 
 @pytest.fixture(scope="module")

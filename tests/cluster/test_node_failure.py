@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from cluster import load_config, train
-from tests.audit_task import audit
 from tests.cluster.conftest import events, wait_for
+from tests.support.tasks import audit
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -32,7 +32,7 @@ def job(tmp: str, name: str, *extra: str) -> list[str]:
     return [
         f"storage={tmp}/runs",
         f"name={name}",
-        "task=tests.audit_task:AuditTask",
+        "task=tests.support.tasks:AuditTask",
         f"task_args={{audit_dir: {tmp}/audit, samples: {SAMPLES}, step_sleep_s: 0.06}}",
         "scaling.num_workers=2",
         "scaling.resources_per_worker={trainer: 1}",

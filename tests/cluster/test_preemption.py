@@ -15,8 +15,8 @@ import pytest
 from cluster import load_checkpoint, load_config, train
 from cluster.inspect import format_show, report
 from cluster.storage import Storage
-from tests.audit_task import audit
 from tests.cluster.conftest import events, wait_for
+from tests.support.tasks import audit
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -34,7 +34,7 @@ def job(tmp: str, name: str, *extra: str) -> list[str]:
     return [
         f"storage={tmp}/runs",
         f"name={name}",
-        "task=tests.audit_task:AuditTask",
+        "task=tests.support.tasks:AuditTask",
         f"task_args={{audit_dir: {tmp}/audit-{name}, samples: {SAMPLES}, step_sleep_s: 0.12}}",
         "scaling.num_workers=2",
         "scaling.cpus_per_worker=1",

@@ -12,7 +12,7 @@ from cluster import load_config, train
 from cluster.checkpoint import CheckpointStore
 from cluster.inspect import read_events
 from cluster.storage import Storage
-from tests.storage_fixtures import MotoS3
+from tests.support.storage import MotoS3
 
 pytestmark = [pytest.mark.cluster]
 

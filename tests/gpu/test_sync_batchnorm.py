@@ -22,7 +22,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)"),
 ]
 
-TASK = "tests.multiprocess.test_ddp_options:MapStyleTask"
+TASK = "tests.support.tasks:MapStyleTask"
 
 
 def _config(storage: str, workers: int, sync: bool) -> JobConfig:

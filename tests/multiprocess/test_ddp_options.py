@@ -19,51 +19,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from cluster.checkpoint import CheckpointStore
 from cluster.config import JobConfig
 from cluster.storage import Storage
-from cluster.task import Task, build_task
+from cluster.task import build_task
 from tests.multiprocess.mp_helpers import run_workers, tiny_config
+from tests.support.tasks import MapStyleTask
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
-TASK = f"{__name__}:MapStyleTask"
-
-
-class PairDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """A plain map-style dataset: one sample per ``__getitem__``, no ``get_batch`` (batches are collated)."""
-
-    def __init__(self, n: int, features: int) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, features, generator=g)
-        self.y = (self.x[:, 0] + 0.5 * self.x[:, 1] > 0).long()
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[i], self.y[i]
-
-
-class MapStyleTask(Task):
-    """task_args: samples (400), features (6), batchnorm (false), lr (0.05)."""
-
-    def build_model(self) -> nn.Module:
-        f = int(self.args.get("features", 6))
-        norm: list[nn.Module] = [nn.BatchNorm1d(16)] if self.args.get("batchnorm") else []
-        return nn.Sequential(nn.Linear(f, 16), *norm, nn.ReLU(), nn.Linear(16, 2))
-
-    def build_train_dataset(self) -> PairDataset:
-        return PairDataset(int(self.args.get("samples", 400)), int(self.args.get("features", 6)))
-
-    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.SGD(model.parameters(), lr=float(self.args.get("lr", 0.05)), momentum=0.9)
-
-    def compute_loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
-        x, y = batch
-        return nn.functional.cross_entropy(model(x), y), {}
+TASK = "tests.support.tasks:MapStyleTask"
 
 
 class ProbeTask(MapStyleTask):

@@ -254,7 +254,7 @@ def test_step_rows_say_how_long_the_step_waited_for_its_batches(tmp_path: Path) 
             str(tmp_path / "runs"),
             [
                 f"name={name}",
-                "task=tests.broken_tasks:Broken",
+                "task=tests.support.tasks:Broken",
                 f"task_args={{mode: ok, read_sleep_s: {sleep}}}",
                 "training.global_batch_size=8",
                 "training.epochs=1",

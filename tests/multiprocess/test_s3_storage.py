@@ -15,7 +15,7 @@ from cluster.data import read_parquet
 from cluster.errors import ConfigError
 from cluster.storage import Storage, check_probe, write_probe
 from jobs.make_tabular import make_table, write
-from tests.storage_fixtures import MotoS3
+from tests.support.storage import MotoS3
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 

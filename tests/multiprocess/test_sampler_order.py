@@ -28,7 +28,7 @@ def _config(storage: str, audit: Path) -> JobConfig:
     return tiny_config(
         storage,
         [
-            "task=tests.audit_task:AuditTask",
+            "task=tests.support.tasks:AuditTask",
             f"task_args.audit_dir={audit}",
             f"task_args.samples={SAMPLES}",
             f"training.seed={SEED}",

@@ -21,7 +21,7 @@ from cluster.peer import plan_recovery
 from cluster.storage import Storage
 from cluster.worker import Worker
 from tests.multiprocess.mp_helpers import run_workers, tiny_config
-from tests.multiprocess.test_ddp_options import MapStyleTask
+from tests.support.tasks import MapStyleTask
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 

@@ -25,7 +25,7 @@ from cluster.config import JobConfig
 from cluster.control import STOP_FILE
 from cluster.inspect import STOPPED, read_events, run_status
 from cluster.storage import Storage
-from tests.ray.test_faults import assert_bitwise_equal
+from tests.support.faults import assert_bitwise_equal
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -39,7 +39,7 @@ def config(storage: str, name: str, *extra: str) -> JobConfig:
         [
             f"storage={storage}",
             f"name={name}",
-            "task=tests.audit_task:SlowCharLM",
+            "task=tests.support.tasks:SlowCharLM",
             "task_args.max_chars=40000",
             "task_args.d_model=32",
             "task_args.n_layers=1",

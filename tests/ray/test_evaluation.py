@@ -22,7 +22,7 @@ from cluster.inspect import format_show, report
 from cluster.metrics import read_metrics
 from cluster.storage import Storage
 from cluster.task import build_task
-from tests.ray.test_faults import EPOCHS, STEPS, assert_bitwise_equal, events, final_model, overrides
+from tests.support.faults import EPOCHS, STEPS, assert_bitwise_equal, events, final_model, overrides
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
 

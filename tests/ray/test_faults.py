@@ -19,48 +19,12 @@ import torch
 from cluster import load_config, train
 from cluster.checkpoint import CheckpointStore
 from cluster.errors import TrainingFailedError
-from cluster.inspect import format_show, read_events, report
+from cluster.inspect import format_show, report
 from cluster.metrics import read_metrics
 from cluster.storage import Storage
+from tests.support.faults import EPOCHS, STEPS, assert_bitwise_equal, events, final_model, overrides
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
-
-EPOCHS, STEPS = 2, 15  # 30 steps; checkpoints every 5 steps and at each epoch end
-
-
-def overrides(storage: str, name: str, *extra: str) -> list[str]:
-    return [
-        f"storage={storage}",
-        f"name={name}",
-        "task=tests.audit_task:SlowCharLM",
-        "task_args.max_chars=40000",
-        "task_args.d_model=32",
-        "task_args.n_layers=1",
-        "task_args.context=32",
-        "task_args.step_sleep_s=0.05",
-        "task_args.dropout=0.1",
-        "training.global_batch_size=32",
-        f"training.epochs={EPOCHS}",
-        f"training.max_steps_per_epoch={STEPS}",
-        "training.log_every_steps=1",
-        "checkpoint.every_steps=5",
-        "checkpoint.keep_last=10",
-        "failures.backoff_s=0.1",
-        "failures.hang_timeout_floor_s=60",
-        *extra,
-    ]
-
-
-def final_model(run_url: str) -> dict[str, torch.Tensor]:
-    latest = CheckpointStore(Storage(run_url)).load_latest()
-    assert latest is not None
-    assert latest.info.step == EPOCHS * STEPS
-    return latest.files["model.pt"]
-
-
-def events(run_url: str, kind: str | None = None) -> list[dict]:
-    ev = read_events(Storage(run_url))
-    return [e for e in ev if kind is None or e["event"] == kind]
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +33,6 @@ def reference(ray_local: None, tmp_path_factory: pytest.TempPathFactory) -> dict
     result = train(load_config("jobs/configs/tiny_cpu.yaml", overrides(str(root), "ref")), out=io.StringIO())
     assert result.status == "finished" and result.attempts == 1
     return final_model(result.run_url)
-
-
-def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"{k} differs"
 
 
 def kill_when(run_url: str, ready: Callable[[], bool], rank: int, delay: float = 0.0) -> threading.Thread:

@@ -33,7 +33,7 @@ def job(storage: str, name: str, audit_dir: str, *extra: str) -> list[str]:
     return [
         f"storage={storage}",
         f"name={name}",
-        "task=tests.audit_task:AuditTask",
+        "task=tests.support.tasks:AuditTask",
         f"task_args.audit_dir={audit_dir}",
         f"task_args.nan_ids=[{POISON}]",
         "training.global_batch_size=32",

@@ -15,7 +15,7 @@ from cluster.inspect import read_events
 from cluster.metrics import read_metrics
 from cluster.storage import Storage
 from jobs.make_tabular import write
-from tests.storage_fixtures import MotoS3
+from tests.support.storage import MotoS3
 
 pytestmark = [pytest.mark.ray]
 

@@ -24,9 +24,7 @@ from cluster.errors import Failure
 from cluster.inspect import read_events
 from cluster.metrics import read_metrics
 from cluster.storage import Storage
-from tests.unit.test_driver import make
-from tests.unit.test_notify import Hook
-from tests.unit.test_tracking import RowsGroup
+from tests.support.fakes import Hook, RowsGroup, make
 
 mlflow = pytest.importorskip("mlflow")
 pytest.importorskip("tensorboard")

@@ -4,78 +4,13 @@ must grow linearly in N (benchmarks/bench_driver_scale.py states the figures).""
 
 from __future__ import annotations
 
-import dataclasses
-import time
-from typing import Any
-
 import pytest
 
-from cluster.driver import Driver
 from cluster.errors import Failure
-from cluster.group import EpochResult, Heartbeat, Salvage
-from cluster.pace import Pace
-from cluster.peer import PeerState
-from cluster.policy import HangWatch, SlowRankWatch
-from tests.unit.test_driver import STEPS, ScriptedGroup, kinds, make
+from tests.support.fakes import STEPS, ScriptedGroup, kinds
+from tests.support.scale import DEAD, SLOW, N, big_driver, cpu_per_round
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
-
-N, DEAD, SLOW = 1000, 50, 7
-EVEN, BEHIND = Pace(0.010, 0.021, 5), Pace(0.020, 0.021, 5)  # rank SLOW's own part takes twice the others'
-
-
-class BigGroup(ScriptedGroup):
-    """The scripted group at scale: its replies are built once per epoch, so that what is measured is the
-    driver's work, not the script's. A storm kills ``DEAD`` ranks at once; capacity follows."""
-
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
-        self._beats: list[Heartbeat | None] = []
-        self._results: list[EpochResult] = []
-
-    def run_epoch(self, epoch: int, start_step: int, evaluate_first: bool = False) -> None:
-        super().run_epoch(epoch, start_step)
-        step = epoch * STEPS + 1
-        self._beats = [
-            Heartbeat(r, step, 0.0, 0.01, True, pace=BEHIND if r == SLOW else EVEN)
-            for r in range(self.world_size)
-        ]
-        self._results = []
-
-    def heartbeats(self, timeout: float = 2.0) -> list[Heartbeat | None]:
-        return self._beats
-
-    def poll(self, timeout: float) -> list[EpochResult] | None:
-        if self.script and self.script[0] == "grow":  # resources come back during this epoch
-            self.script.pop(0)
-            self.capacity[0] = self.cfg.scaling.num_workers
-        return super().poll(timeout)
-
-    def salvage(self, failure: Failure, attempt: int) -> Salvage | None:
-        """A node-sized wave: ranks 1..DEAD died together; the other survivors are kept with their state,
-        and the capacity left is what the dead ranks did not hold."""
-        self.capacity[0] = self.world_size - DEAD
-        state = PeerState(0, self.epoch * STEPS + 2, self.epoch, 2, "d", 8)
-        alive = [r for r in range(self.world_size) if not 1 <= r <= DEAD]
-        survivors = {r: dataclasses.replace(state, rank=r) for r in alive}
-        return Salvage(resources="pg", actors=dict.fromkeys(survivors, "actor"), peers=survivors, rows=[])
-
-
-def big_driver(script: dict[int, list[Any]], n: int = N) -> Driver:
-    driver, _ = make(
-        script,
-        [
-            f"scaling.num_workers={n}",
-            f"scaling.min_workers={max(1, n - DEAD - 50)}",
-            f"training.global_batch_size={8 * n}",
-            "training.epochs=4",
-            "failures.max_failures=1",  # a storm counted more than once would fail the job
-        ],
-        capacity=n,
-        resume={2: 2 * STEPS},  # growing back restarts from epoch 1's end checkpoint
-        group_cls=BigGroup,
-    )
-    return driver
 
 
 def test_thousand_ranks_epochs_heartbeats_storm_and_resize() -> None:
@@ -101,26 +36,6 @@ def test_thousand_ranks_epochs_heartbeats_storm_and_resize() -> None:
     slow = [e for e in ev if e["event"] == "slow_rank"]
     assert slow and {e["rank"] for e in slow} == {SLOW}, slow  # found among 1,000, and only it
     assert slow[0]["ratio"] == 2.0
-
-
-def cpu_per_round(n: int, rounds: int = 100) -> float:
-    """Driver CPU seconds of one heartbeat round (collect the beats, update the hang watch and the slow-rank
-    watch) at ``n`` ranks."""
-    driver = big_driver({}, n)
-    driver._prepare_storage()
-    group = BigGroup(driver.cfg, driver.run_url, 0, {}, [n], {})
-    group.reserve([n], 1.0)
-    group.start(n)
-    group.run_epoch(0, 0)
-    driver.group = group
-    watch = HangWatch(driver.cfg.failures, 0)
-    driver._slow = SlowRankWatch(2.5)  # measured, never reporting: its cost is the same either way
-    t0 = time.process_time()
-    for _ in range(rounds):
-        beats = driver._beats()
-        watch.update(beats)
-        driver._watch_pace(beats, 0)
-    return (time.process_time() - t0) / rounds
 
 
 def test_heartbeat_round_cost_is_linear_in_ranks() -> None:

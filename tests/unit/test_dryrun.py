@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 def cfg(tmp_path: Any, mode: str, *extra: str) -> Any:
     return load_config(
-        data={"task": "tests.broken_tasks:Broken", "storage": {"url": f"{tmp_path}/runs"}},
+        data={"task": "tests.support.tasks:Broken", "storage": {"url": f"{tmp_path}/runs"}},
         overrides=[f"task_args.mode={mode}", "training.global_batch_size=8", "training.epochs=3", *extra],
     )
 
@@ -28,7 +28,7 @@ def test_a_good_task_reports_what_the_run_will_be(tmp_path: Any) -> None:
     r = dry_run(cfg(tmp_path, "ok", "workers=2", "training.grad_accum_steps=2", "checkpoint.best_metric=acc"))
     assert (r.train_samples, r.steps_per_epoch, r.total_steps) == (64, 8, 24)
     assert (r.per_rank_batch, r.micro_batch, r.device) == (4, 2, "cpu")
-    model = build_task("tests.broken_tasks:Broken", {"mode": "ok"}).build_model()
+    model = build_task("tests.support.tasks:Broken", {"mode": "ok"}).build_model()
     assert r.parameters == r.trainable == sum(p.numel() for p in model.parameters())
     assert r.loss > 0 and r.grad_norm > 0 and set(r.metrics) == {"acc"} and r.step_s > 0
     # weights plus Adam's two moments and its step counts: more than the weights alone
@@ -44,8 +44,8 @@ def test_a_good_task_reports_what_the_run_will_be(tmp_path: Any) -> None:
         (
             "raise",
             [],
-            r"tests.broken_tasks:Broken.compute_loss\(model, batch\) raised ValueError: labels out of range: "
-            r"1 \(at .*tests/broken_tasks.py:\d+, in compute_loss\)",
+            r"tests.support.tasks:Broken.compute_loss\(model, batch\) raised ValueError: "
+            r"labels out of range: 1 \(at .*tests/support/tasks.py:\d+, in compute_loss\)",
         ),
         ("detached", [], "returned a loss that does not require grad"),
         ("wrong_shape", [], r"returned a loss of \(4,\); return its mean, a scalar tensor"),
@@ -83,15 +83,15 @@ def test_the_cli_prints_the_report_and_writes_nothing(
     assert "steps per epoch x 3 epochs" in out and "checkpoint" in out
     assert not os.path.exists(f"{tmp_path}/runs")  # nothing written, no Ray started
     bad = ["--config", "jobs/configs/tiny_cpu.yaml", "--set", f"storage={tmp_path}/runs", "--dry-run"]
-    bad += ["--set", "task=tests.broken_tasks:Broken", "--set", "task_args={mode: raise}"]
+    bad += ["--set", "task=tests.support.tasks:Broken", "--set", "task_args={mode: raise}"]
     assert main(bad) == 2
-    assert "dry run failed: tests.broken_tasks:Broken.compute_loss(model, batch) raised ValueError" in (
+    assert "dry run failed: tests.support.tasks:Broken.compute_loss(model, batch) raised ValueError" in (
         capsys.readouterr().err
     )
 
 
 def test_a_task_class_is_tried_as_train_takes_it(tmp_path: Any) -> None:
-    from tests.broken_tasks import Broken
+    from tests.support.tasks import Broken
 
     c = load_config(data={"task": "nowhere:Missing", "storage": {"url": f"{tmp_path}/runs"}})
     r = dry_run(c, task_cls=Broken)  # the class, not the config's path, is built

@@ -13,7 +13,7 @@ from cluster import Checkpoint, load_checkpoint, load_model
 from cluster.checkpoint import CheckpointStore, serialize, step_dir
 from cluster.errors import CheckpointError, ConfigError
 from cluster.storage import Storage
-from tests.audit_task import AuditTask
+from tests.support.tasks import AuditTask
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -23,7 +23,7 @@ def make_run(root: pathlib.Path, steps: list[int]) -> tuple[str, dict[int, dict[
     run = str(root / "runs" / "r1")
     storage = Storage(run)
     args = {"audit_dir": "x", "features": 4}
-    config = {"name": "r1", "task": "tests.audit_task:AuditTask", "task_args": args}
+    config = {"name": "r1", "task": "tests.support.tasks:AuditTask", "task_args": args}
     storage.write_atomic("run.json", json.dumps({"name": "r1", "config": config}).encode())
     store = CheckpointStore(storage)
     states = {}

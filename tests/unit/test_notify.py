@@ -3,55 +3,18 @@ event, each once, through an outage; the URL never reaches run.json; a bad one i
 
 from __future__ import annotations
 
-import http.server
 import json
-import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
 from cluster.config import load_config, resolve_notify_url
 from cluster.errors import ConfigError, Failure
 from cluster.tracking import Tracker, WebhookSink
-from tests.unit.test_driver import make
+from tests.support.fakes import Hook, make
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
-
-
-class Hook:
-    """A webhook on 127.0.0.1: records each POST's JSON body; answers 500 to the event named ``refuse``."""
-
-    def __init__(self) -> None:
-        self.got: list[dict[str, Any]] = []
-        self.refuse: str | None = None
-        self.refused = 0
-        hook = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                if body["event"]["event"] == hook.refuse:
-                    hook.refused += 1
-                    self.send_response(500)
-                else:
-                    hook.got.append(body)
-                    self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/T000/SECRET"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(5)
 
 
 @pytest.fixture

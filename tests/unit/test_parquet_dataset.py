@@ -15,7 +15,7 @@ import torch
 from cluster.data import ResumableDistributedSampler
 from cluster.errors import ConfigError
 from cluster.parquet import BlockedPermutation, ParquetDataset
-from tests.storage_fixtures import MotoS3
+from tests.support.storage import MotoS3
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -12,11 +12,10 @@ import fsspec
 import pytest
 
 from cluster.errors import Failure
-from cluster.group import EpochResult
 from cluster.metrics import read_metrics
 from cluster.storage import Storage
 from cluster.tracking import Item, Tracker, flatten, scalars
-from tests.unit.test_driver import STEPS, ScriptedGroup, make
+from tests.support.fakes import STEPS, RowsGroup, make
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -101,27 +100,6 @@ def test_queue_is_bounded_and_close_keeps_its_deadline(monkeypatch: pytest.Monke
     feeder = tracker._feeders[0]
     feeder.thread.join(2)
     assert not feeder.thread.is_alive()  # a failing sink stops retrying at the deadline
-
-
-class RowsGroup(ScriptedGroup):
-    """The scripted group, plus rank 0's step rows in each epoch result (as real workers send them)."""
-
-    def poll(self, timeout: float) -> list[EpochResult] | None:
-        results = super().poll(timeout)
-        if results:
-            first = results[0].global_step - (STEPS - self.start_step)
-            rows = [
-                {
-                    "time": time.time(),
-                    "global_step": g,
-                    "epoch": self.epoch,
-                    "loss": 10 / g + self.attempt,
-                    "lr": 0.01,
-                }
-                for g in range(first + 1, results[0].global_step + 1)
-            ]
-            results[0].step_rows = rows
-        return results
 
 
 def test_tensorboard_on_object_storage_through_the_driver(tmp_path: pathlib.Path) -> None:

@@ -1,13 +1,22 @@
-"""A small task that records which sample ids each rank trained at each step (for exactly-once audits)."""
+"""Small tasks the tests train, named by import path (``task=tests.support.tasks:AuditTask``) so that worker
+processes import them too:
+
+- ``AuditTask`` records which sample ids each rank trained at each step; ``audit`` checks them (exactly once).
+- ``SlowCharLM``: the example char-LM with a sleep per step (numerics untouched), so faults land mid-epoch.
+- ``Broken`` breaks the Task contract in one way each (``task_args.mode``), for the dry run's tests.
+- ``MapStyleTask`` trains on a plain map-style dataset (collated batches, no ``get_batch``).
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 from cluster import Task, TensorBatchDataset
 
@@ -116,3 +125,101 @@ class SlowCharLM(Task):
 
         time.sleep(float(self.args.get("step_sleep_s", 0.05)))
         return self.inner.compute_loss(model, batch)
+
+
+class Unpicklable(TensorBatchDataset):
+    def __reduce__(self) -> Any:
+        raise TypeError("holds an open file")
+
+
+class SlowReads(TensorBatchDataset):
+    """Each batch read waits ``sleep_s`` (storage latency), using no CPU."""
+
+    def __init__(self, sleep_s: float, *tensors: torch.Tensor) -> None:
+        super().__init__(*tensors)
+        self.sleep_s = sleep_s
+
+    def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        time.sleep(self.sleep_s)
+        return super().get_batch(indices)
+
+
+class Net(nn.Module):
+    def __init__(self, unused: bool) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        if unused:
+            self.head2 = nn.Linear(8, 3)  # never called in forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+class Broken(Task):
+    """task_args.mode: ok, raise, detached, wrong_shape, unused, unpicklable, eval_metrics; read_sleep_s:
+    each training batch read waits that long."""
+
+    def build_model(self) -> nn.Module:
+        return Net(unused=self.args.get("mode") == "unused")
+
+    def build_train_dataset(self) -> Any:
+        x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+        if self.args.get("read_sleep_s"):
+            return SlowReads(float(self.args["read_sleep_s"]), x, (x[:, 0] > 0).long())
+        cls = Unpicklable if self.args.get("mode") == "unpicklable" else TensorBatchDataset
+        return cls(x, (x[:, 0] > 0).long())
+
+    def build_eval_dataset(self) -> Any:
+        x = torch.randn(20, 4, generator=torch.Generator().manual_seed(1))
+        return TensorBatchDataset(x, (x[:, 0] > 0).long())
+
+    def compute_loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        x, y = batch
+        mode = self.args.get("mode")
+        if mode == "raise":
+            raise ValueError(f"labels out of range: {int(y.max())}")
+        logits = model(x)
+        loss = nn.functional.cross_entropy(logits, y)
+        if mode == "detached":
+            loss = loss.detach()
+        if mode == "wrong_shape":
+            loss = nn.functional.cross_entropy(logits, y, reduction="none")
+        return loss, {"acc": (logits.argmax(1) == y).float().mean()}
+
+    def compute_eval(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        loss, metrics = self.compute_loss(model, batch)
+        return (loss, {"f1": 0.5}) if self.args.get("mode") == "eval_metrics" else (loss, metrics)
+
+
+class PairDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """A plain map-style dataset: one sample per ``__getitem__``, no ``get_batch`` (batches are collated)."""
+
+    def __init__(self, n: int, features: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, features, generator=g)
+        self.y = (self.x[:, 0] + 0.5 * self.x[:, 1] > 0).long()
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+class MapStyleTask(Task):
+    """task_args: samples (400), features (6), batchnorm (false), lr (0.05)."""
+
+    def build_model(self) -> nn.Module:
+        f = int(self.args.get("features", 6))
+        norm: list[nn.Module] = [nn.BatchNorm1d(16)] if self.args.get("batchnorm") else []
+        return nn.Sequential(nn.Linear(f, 16), *norm, nn.ReLU(), nn.Linear(16, 2))
+
+    def build_train_dataset(self) -> PairDataset:
+        return PairDataset(int(self.args.get("samples", 400)), int(self.args.get("features", 6)))
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(model.parameters(), lr=float(self.args.get("lr", 0.05)), momentum=0.9)
+
+    def compute_loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        x, y = batch
+        return nn.functional.cross_entropy(model(x), y), {}
