@@ -11,7 +11,8 @@ Names: a step row's values go to ``train/<column>`` (``loss``, ``lr``, ``grad_no
 ``samples_per_s``, ``step_time_s``, ``input_wait_s``, ``checkpoint_stall_s``, ``world_size``, ``attempt``
 and every ``m_<name>`` as ``train/<name>``), an epoch row's to ``epoch/<column>``, an evaluation's to
 ``eval/loss``, ``eval/<name>`` and ``eval/seconds``; the x axis is the global step, so a resumed or
-recovered run continues one curve. Failures, decisions and recoveries are text (TensorBoard) or tags (MLflow).
+recovered run continues one curve. Failures, decisions and recoveries are text (TensorBoard; the kinds
+``cluster.events`` marks ``tensorboard``) or tags (MLflow); notifications are the events' lines.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from cluster import events
 from cluster.storage import Storage, is_local
 
 logger = logging.getLogger(__name__)
@@ -44,19 +46,6 @@ VALUE_COLUMNS = (
     "world_size",
     "attempt",
 )
-TEXT_EVENTS = (
-    "failure",
-    "decision",
-    "recovered",
-    "resize",
-    "checkpoint_failed",
-    "checkpoint_skipped",
-    "run_failed",
-    "finished",
-    "preemption_notice",
-    "rollback",
-)
-"""Events written as text into TensorBoard at their global step."""
 BATCH = 500
 """Items per send: MLflow's log_batch takes at most 1,000 metrics."""
 BACKOFF_S = 1.0
@@ -90,12 +79,6 @@ def event_step(record: dict[str, Any], default: int) -> int:
         if isinstance(value, int):
             return value
     return default
-
-
-def event_text(record: dict[str, Any]) -> str:
-    fields = {k: v for k, v in record.items() if k not in ("event", "time", "config") and v is not None}
-    body = ", ".join(f"{k}={str(v)[:300]}" for k, v in fields.items())
-    return f"**{record['event']}** {body}"
 
 
 @dataclass
@@ -300,9 +283,11 @@ class TensorBoardSink:
                     resume = int(record.get("resume_step") or 0)
                     self._writer(purge_step=resume + 1 if resume else 0)
                     self.step = resume
-                if record.get("event") in TEXT_EVENTS:
+                if record.get("event") in events.TENSORBOARD:
                     step = event_step(record, self.step)
-                    self._writer().add_text("events", event_text(record), step, walltime=record.get("time"))
+                    self._writer().add_text(
+                        "events", events.detail(record), step, walltime=record.get("time")
+                    )
                     flush = True
             else:
                 flush = True
@@ -489,7 +474,7 @@ class WebhookSink:
             record = item.data
             if item.kind == "event" and record.get("event") in self.events:
                 body = {
-                    "text": f"[{self.run_name}] {notification_text(record)}",
+                    "text": f"[{self.run_name}] {events.line(record.get('event'), record)}",
                     "run": self.run_name,
                     "run_url": self.run_url,
                     "event": record,
@@ -506,46 +491,3 @@ class WebhookSink:
 
     def close(self) -> None:
         pass
-
-
-def notification_text(r: dict[str, Any]) -> str:
-    """One line a person reads in a chat channel, for the events worth a notification."""
-    kind = r.get("event")
-    first = str(r.get("message") or r.get("error") or "").strip().splitlines()
-    if kind == "failure":
-        return f"failure: {r.get('kind')} on rank {r.get('rank')} at step {r.get('step')}" + (
-            f": {first[0][:300]}" if first else ""
-        )
-    if kind == "run_failed":
-        return "FAILED" + (f": {first[0][:500]}" if first else "")
-    if kind == "finished":
-        loss = r.get("loss")
-        return f"finished: {r.get('global_step')} steps" + (
-            f", loss {loss:.4g}" if isinstance(loss, float) else ""
-        )
-    if kind == "stopped":
-        return (
-            f"stopped at step {r.get('global_step')} ({r.get('reason')}); checkpoint at step "
-            f"{r.get('checkpoint_step')}"
-        )
-    if kind == "early_stopped":
-        best = f"best {r.get('metric')} at step {r.get('best_step')}"
-        return f"stopped early at step {r.get('global_step')}; {best}"
-    if kind == "slow_rank":
-        return (
-            f"rank {r.get('rank')} on {r.get('host')} is slow: {r.get('ratio')}x the others' step "
-            f"({r.get('compute_ms')} ms against {r.get('others_ms')} ms)"
-        )
-    if kind == "recovered":
-        return (
-            f"recovered from {r.get('kind')} ({r.get('source')}): {r.get('lost_steps')} steps lost, first "
-            f"step {r.get('detect_to_first_step_s')}s after detection"
-        )
-    if kind == "rollback":
-        from cluster.inspect import rollback_text
-
-        return rollback_text(r)
-    if kind == "preemption_notice":
-        node = str(r.get("node"))[:12]
-        return f"node {node} (ranks {r.get('ranks')}) is draining: {r.get('seconds_left')}s left"
-    return event_text(r).replace("**", "")

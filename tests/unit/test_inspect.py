@@ -148,15 +148,15 @@ def test_slow_ranks_pair_with_the_step_they_kept_pace_again() -> None:
 
 
 def test_a_rollback_reads_as_one_line_in_watch_and_in_a_notification() -> None:
+    from cluster.events import line
     from cluster.inspect import WATCHED, event_line
-    from cluster.tracking import notification_text
 
     e = {"event": "rollback", "window": [5, 7], "skipped": [6, 7], "checkpoint_step": 5, "discarded": [6]}
     want = (
         "rollback after a loss that was not finite: to checkpoint step 5, steps 6-7 skipped, deleted "
         "checkpoints [6]"
     )
-    assert event_line(e) == notification_text(e) == want
+    assert event_line(e) == line("rollback", e) == want  # a notification is "[run] " + line
     assert "rollback" in WATCHED
     fresh = {**e, "checkpoint_step": None, "discarded": [], "skipped": [1, 3]}
     assert (
