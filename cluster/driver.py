@@ -258,12 +258,7 @@ class Driver:
                 raise cause from None
             raise
         except Exception as exc:
-            failure = (
-                group.classify(exc)
-                if _is_remote_error(exc)
-                else Failure("start_failed", None, f"{type(exc).__name__}: {exc}")
-            )
-            return self._on_failure(failure)
+            return self._on_failure(group.classify(exc, starting=True))
         t_ready = time.time()
         self.world_size = n
         head = infos[0]
@@ -491,7 +486,8 @@ class Driver:
                     f"(scaling.min_workers={self.cfg.effective_min_workers} rules out {survivors})"
                 )
                 return Running(epoch, start)
-        salvage = group.salvage_stopped(self.attempt + 1, m.ranks, keep_state=m.replaced and m.via == "peers")
+        keep = m.replaced and m.via == "peers"
+        salvage = group.salvage(None, self.attempt + 1, leaving=m.ranks, keep_state=keep)
         self.group = None
         plan = None
         if salvage is not None and salvage.peers is not None:
@@ -727,7 +723,3 @@ def _diverged(failure: Failure) -> bool:
     """A rank's loss was not finite (``DivergedError``), and it says where that began."""
     e = failure.error
     return e is not None and e.exc_type == "DivergedError" and bool(e.detail.get("first_step"))
-
-
-def _is_remote_error(exc: BaseException) -> bool:
-    return type(exc).__module__.startswith("ray")
