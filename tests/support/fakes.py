@@ -10,6 +10,7 @@ import json
 import threading
 import time
 import uuid
+from collections.abc import Collection
 from typing import Any
 
 from cluster.checkpoint import CommitRecord
@@ -56,7 +57,7 @@ class ScriptedGroup:
 
     def reserve(self, sizes: list[int], wait_s: float, cancelled: Any = None) -> int:
         adopted = getattr(self, "adopted", None)
-        if adopted is not None and isinstance(adopted.resources, tuple):  # salvage_stopped's resources
+        if adopted is not None and isinstance(adopted.resources, tuple):  # a salvage after a stop's resources
             return int(adopted.resources[1])
         for n in sizes:
             if n <= self.capacity[0]:
@@ -134,8 +135,18 @@ class ScriptedGroup:
     def cancel_move(self) -> None:
         self.calls.append("cancel_move")
 
-    def salvage_stopped(self, attempt: int, retire: list[int], keep_state: bool) -> Salvage | None:
-        self.calls.append(f"salvage_stopped{retire} keep_state={keep_state}")
+    def salvage(
+        self,
+        failure: Failure | None,
+        attempt: int,
+        *,
+        leaving: Collection[int] = (),
+        keep_state: bool | None = None,
+    ) -> Salvage | None:
+        if failure is not None:
+            return self._salvage_after(failure)
+        retire = list(leaving)
+        self.calls.append(f"salvage leaving {retire} keep_state={keep_state}")
         step = self.stop_step or 0
         keep = self.world_size if ScriptedGroup.move_script[-1] == "ready" else self.world_size - len(retire)
         peers = {
@@ -194,7 +205,9 @@ class ScriptedGroup:
     def spare_ready(self) -> float | None:
         return None
 
-    def classify(self, exc: BaseException) -> Failure:
+    def classify(self, exc: BaseException, starting: bool = False) -> Failure:
+        if starting:  # a scripted group's start raises no Ray error: what the real group calls start_failed
+            return Failure("start_failed", None, f"{type(exc).__name__}: {exc}")
         kind, _, rest = str(exc).partition(":")
         err = WorkerError(1, 3, "RuntimeError", rest, "Traceback: boom") if kind == "user_error" else None
         return Failure(kind, 1, str(exc), err)
@@ -202,7 +215,7 @@ class ScriptedGroup:
     def available_for(self, n: int) -> bool:
         return self.world_size + n <= self.capacity[0]
 
-    def salvage(self, failure: Failure, attempt: int) -> Salvage | None:
+    def _salvage_after(self, failure: Failure) -> Salvage | None:
         if ScriptedGroup.survivors is None:
             return None
         peers = {r: dataclasses.replace(p, rank=r) for r, p in ScriptedGroup.survivors.items()}

@@ -513,7 +513,7 @@ def test_drain_notice_moves_the_ranks_between_two_steps_from_peers() -> None:
     first, second = ScriptedGroup.instances
     assert "prepare_move[1]" in first.calls
     assert "stop(checkpoint=False)" in first.calls  # the state moves from a peer: no checkpoint needed
-    assert "salvage_stopped[1] keep_state=True" in first.calls
+    assert "salvage leaving [1] keep_state=True" in first.calls
     assert second.peers is not None and second.peers.global_step == 1  # resumed where the stop was
     assert second.calls[0] == "epoch0@1"
     ev = driver.events.records()
@@ -530,7 +530,7 @@ def test_drain_notice_without_peer_recovery_moves_through_a_checkpoint_at_the_st
     ScriptedGroup.drains = [_notice(60)]
     driver.run()
     first, second = ScriptedGroup.instances
-    assert "stop(checkpoint=True)" in first.calls and "salvage_stopped[1] keep_state=False" in first.calls
+    assert "stop(checkpoint=True)" in first.calls and "salvage leaving [1] keep_state=False" in first.calls
     assert second.peers is None
 
 
@@ -541,7 +541,7 @@ def test_notice_shorter_than_the_margin_checkpoints_at_once_and_shrinks_when_all
     result = driver.run()
     first, second = ScriptedGroup.instances[:2]
     assert not any(c.startswith("prepare_move") for c in first.calls)  # no time to place anything
-    assert "stop(checkpoint=True)" in first.calls and "salvage_stopped[1] keep_state=False" in first.calls
+    assert "stop(checkpoint=True)" in first.calls and "salvage leaving [1] keep_state=False" in first.calls
     assert second.world_size == 1 and result.status == "finished"
     ev = driver.events.records()
     (ck,) = [e for e in ev if e["event"] == "preemption_checkpoint"]
@@ -811,7 +811,7 @@ def test_a_slow_rank_is_moved_off_its_node_between_two_steps_when_asked_to() -> 
     assert result.status == "finished" and not result.failures
     first, second = ScriptedGroup.instances
     assert "prepare_move[1] avoid=['node-1-a0']" in first.calls  # never onto the slow node again
-    assert "stop(checkpoint=False)" in first.calls and "salvage_stopped[1] keep_state=True" in first.calls
+    assert "stop(checkpoint=False)" in first.calls and "salvage leaving [1] keep_state=True" in first.calls
     assert second.peers is not None  # the replacement got the state from a healthy rank
     ev = driver.events.records()
     assert [e["rank"] for e in ev if e["event"] == "slow_rank"] == [1]
@@ -846,7 +846,7 @@ class DivergingGroup(ScriptedGroup):
     """Rank 0 finds a NaN loss whose first step was 7 (``DivergedError``); a rolled-back start resumes from
     checkpoint 4, deleting checkpoint 6, as ``Worker._rollback_point`` reports it."""
 
-    def classify(self, exc: BaseException) -> Failure:
+    def classify(self, exc: BaseException, starting: bool = False) -> Failure:
         at = 7 + 10 * self.attempt  # each attempt diverges further on
         err = WorkerError(
             0, at + 1, "DivergedError", f"the loss is nan at step {at}", "Traceback", {"first_step": at}
