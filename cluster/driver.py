@@ -58,6 +58,7 @@ from cluster.peer import PeerPlan, plan_recovery
 from cluster.policy import FailurePolicy, HangWatch
 from cluster.preemption import Move
 from cluster.record import RunRecord, ended_early
+from cluster.recovery import peer_plan, rollback_window
 from cluster.states import (
     Failed,
     Finished,
@@ -591,22 +592,12 @@ class Driver:
             self.group = None
         timing.t_teardown = time.time()
         self.record.flush_rows(salvage.rows if salvage is not None else [], self.epoch, self.attempt)
-        plan = self._peer_plan(failure, salvage, timing) if decision.restart else None
-        if decision.restart and _diverged(failure):
-            assert failure.error is not None  # _diverged
-            last = int(failure.error.detail["first_step"])
-            self._rollback = (max(1, last - self.cfg.failures.nan_skip_steps + 1), last)
-            self.skips = merge_windows([*self.skips, self._rollback])
-        self.record.event(
-            "decision",
-            restart=decision.restart,
-            reason=decision.reason,
-            delay_s=decision.delay_s,
-            source=None if not decision.restart else "peers" if plan is not None else "checkpoint",
-            fallback=timing.fallback or None,
-            peer_source=plan.source if plan is not None else None,
-            peer_step=plan.global_step if plan is not None else None,
-        )
+        plan = peer_plan(self.cfg, failure, salvage, timing) if decision.restart else None
+        window = rollback_window(self.cfg, failure) if decision.restart else None
+        if window is not None:
+            self._rollback = window
+            self.skips = merge_windows([*self.skips, window])
+        self.record.decision(decision, plan, timing.fallback)
         if not decision.restart:
             detail = failure.error.traceback if failure.error is not None else failure.message
             return self._fail(
@@ -616,44 +607,11 @@ class Driver:
                     f"{self.run_url}/checkpoints; rerun the same job to resume."
                 )
             )
-        source = (
-            f"from rank {plan.source}'s memory at step {plan.global_step}"
-            if plan is not None
-            else "from the latest checkpoint" + (f" ({timing.fallback})" if timing.fallback else "")
-        )
-        self.record.print(f"recovering ({decision.reason}) in {decision.delay_s:.1f}s, {source}")
         wake = time.monotonic() + decision.delay_s
         while time.monotonic() < wake and not self._stop_asked():  # a stop cuts the wait short
             time.sleep(min(0.5, max(0.0, wake - time.monotonic())))
         self.attempt += 1
         return Starting(recovery=timing, salvage=salvage, peers=plan)
-
-    def _peer_plan(
-        self, failure: Failure, salvage: Salvage | None, timing: RecoveryTiming
-    ) -> PeerPlan | None:
-        """Whom to copy the state from, or None (checkpoint) with the reason in ``timing.fallback``."""
-        if not self.cfg.failures.recover_from_peers:
-            return None
-        if _diverged(failure):
-            timing.fallback = "a loss that was not finite: no rank's weights can be trusted; rolling back"
-            return None
-        if failure.kind == "hang":
-            timing.fallback = "a hang: the hung rank's memory is not trusted"
-        elif salvage is None or salvage.peers is None:
-            timing.fallback = (
-                "a node was lost and no survivor could be kept (no room for its ranks within "
-                "scaling.resource_wait_s, or no rank left)"
-                if failure.kind == "node_lost"
-                else "no survivor could be kept"
-            )
-        else:
-            plan = plan_recovery(salvage.peers)
-            if isinstance(plan, PeerPlan):
-                return plan
-            timing.fallback = plan
-        if failure.kind != "hang" and not self.cfg.failures.warm_restart:
-            timing.fallback = "failures.warm_restart is off: no survivor keeps its process"
-        return None
 
     def _fail(self, exc: BaseException) -> Failed:
         self.record.run_failed(exc)
@@ -717,9 +675,3 @@ class Driver:
             skipped_steps=list(self.skips),
             stop_reason=stop.reason if isinstance(self.state, Stopped) and stop is not None else None,
         )
-
-
-def _diverged(failure: Failure) -> bool:
-    """A rank's loss was not finite (``DivergedError``), and it says where that began."""
-    e = failure.error
-    return e is not None and e.exc_type == "DivergedError" and bool(e.detail.get("first_step"))

@@ -24,7 +24,8 @@ from cluster.errors import ConfigError, Failure
 from cluster.evaluate import eval_due
 from cluster.group import EpochResult, SetupInfo
 from cluster.metrics import EventLog, ProgressDisplay, write_metrics
-from cluster.policy import SlowRank
+from cluster.peer import PeerPlan
+from cluster.policy import Decision, SlowRank
 from cluster.preemption import Move
 from cluster.states import RecoveryTiming
 from cluster.storage import Storage
@@ -462,6 +463,26 @@ class RunRecord:
             step=step,
         )
         self.print(f"FAILURE ({failure.kind}, rank {failure.rank}): {failure.message.splitlines()[0][:300]}")
+
+    def decision(self, decision: Decision, plan: PeerPlan | None, fallback: str) -> None:
+        """What the failure policy decided, and (on a restart) where the state comes from."""
+        self.event(
+            "decision",
+            restart=decision.restart,
+            reason=decision.reason,
+            delay_s=decision.delay_s,
+            source=None if not decision.restart else "peers" if plan is not None else "checkpoint",
+            fallback=fallback or None,
+            peer_source=plan.source if plan is not None else None,
+            peer_step=plan.global_step if plan is not None else None,
+        )
+        if decision.restart:
+            source = (
+                f"from rank {plan.source}'s memory at step {plan.global_step}"
+                if plan is not None
+                else "from the latest checkpoint" + (f" ({fallback})" if fallback else "")
+            )
+            self.print(f"recovering ({decision.reason}) in {decision.delay_s:.1f}s, {source}")
 
     def recovered(self, timing: RecoveryTiming, first_step_at: float) -> None:
         phases = timing.phases(first_step_at)
