@@ -12,6 +12,7 @@
     python -m cluster profile ./runs/tiny-cpu --steps 5    # torch.profiler traces of a running job's steps
     python -m cluster watch ./runs/tiny-cpu                # follow a run's events until it ends
     python -m cluster docs-config --write docs/config.md   # regenerate the config reference
+    python -m cluster docs-events --write docs/events.md   # regenerate the events reference
 
 Storage credentials come from the usual environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS) or from
 ``-o key=value`` fsspec storage options (``-o endpoint_url=http://127.0.0.1:9000``).
@@ -179,24 +180,17 @@ def _parser() -> argparse.ArgumentParser:
     wa.add_argument("--all", action="store_true", help="every event, not only the notable ones")
     wa.add_argument("--backlog", type=int, default=10, help="earlier events to print first (default 10)")
 
-    dc = sub.add_parser("docs-config", help="print the configuration reference (docs/config.md, generated)")
-    dc.add_argument("--write", metavar="FILE", help="replace the reference block in this file instead")
+    for which, page in (("config", "the configuration reference"), ("events", "the events reference")):
+        dc = sub.add_parser(f"docs-{which}", help=f"print {page} (docs/{which}.md, generated)")
+        dc.add_argument("--write", metavar="FILE", help="replace the reference block in this file instead")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.command == "docs-config":
-            if args.write:
-                with open(args.write) as fh:
-                    text = fh.read()
-                with open(args.write, "w") as fh:
-                    fh.write(docs.replace(text))
-                print(f"updated the configuration reference in {args.write}")
-            else:
-                sys.stdout.write(docs.config_reference())
-            return 0
+        if args.command in ("docs-config", "docs-events"):
+            return _docs(args.command.removeprefix("docs-"), args.write)
         options = _options(args.option)
         problem = url_problem(args.url, "URL")
         if problem is not None:
@@ -240,6 +234,19 @@ def main(argv: list[str] | None = None) -> int:
         return _error(f"error: {exc}", 2)
     except (inspect.InspectError, ValueError, OSError) as exc:  # OSError: e.g. --out in a missing folder
         return _error(f"error: {exc}", 2)
+    return 0
+
+
+def _docs(which: str, write: str | None) -> int:
+    """Print a generated reference block, or replace it in the file ``write``."""
+    if write is None:
+        sys.stdout.write(docs.config_reference() if which == "config" else docs.events_reference())
+        return 0
+    with open(write) as fh:
+        text = fh.read()
+    with open(write, "w") as fh:
+        fh.write(docs.replace(text, which))
+    print(f"updated the {'configuration' if which == 'config' else 'events'} reference in {write}")
     return 0
 
 

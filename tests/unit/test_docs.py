@@ -179,3 +179,39 @@ def test_docs_metrics_table_matches_schema() -> None:
     rows = re.findall(r"^\| (\w+) \| (\w+) \|", block, flags=re.M)
     assert [(n, str(SCHEMA.field(n).type)) for n, _ in rows] == [(f.name, str(f.type)) for f in SCHEMA]
     assert "`m_<key>`" in text  # the extra metrics' columns are documented next to the fixed ones
+
+
+# --- docs/events.md: generated from cluster.events -------------------------------------------------------
+
+EVENTS_DOC = os.path.join(DOCS, "events.md")
+
+
+def test_events_doc_is_what_the_catalogue_generates() -> None:
+    block = docs.extract(_read(EVENTS_DOC), "events")
+    assert block is not None, f"docs/events.md lacks the {docs.EVENTS_START} ... {docs.EVENTS_END} block"
+    assert block == docs.events_reference(), (
+        "docs/events.md is stale: run `python -m cluster docs-events --write docs/events.md`"
+    )
+
+
+def test_events_reference_has_one_row_per_kind_and_is_rewritten_when_stale(tmp_path: pathlib.Path) -> None:
+    from cluster.events import KINDS
+
+    rows = [line for line in docs.events_reference().splitlines() if line.startswith("| `")]
+    assert [r.split("`")[1] for r in rows] == list(KINDS)
+    assert all(len(r.strip("|").split(" | ")) == 4 for r in rows)
+    stale = _read(EVENTS_DOC).replace("| `failure` |", "| `failure_renamed` |")
+    assert docs.extract(stale, "events") != docs.events_reference()
+    copy = tmp_path / "events.md"
+    copy.write_text(stale)
+    out = subprocess.run(
+        [sys.executable, "-m", "cluster", "docs-events", "--write", str(copy)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert out.returncode == 0, out.stderr
+    assert copy.read_text() == _read(EVENTS_DOC)
+    with pytest.raises(ValueError, match="events-reference:start"):
+        docs.replace("# a page without the markers\n", "events")

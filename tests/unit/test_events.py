@@ -84,3 +84,51 @@ def test_segments_close_by_age_and_a_torn_line_is_skipped(tmp_path: pathlib.Path
     with open(tmp_path / "run" / "events" / "000003.jsonl", "a") as fh:
         fh.write('{"event": "torn", "ti')  # a writer that died mid-line on a non-atomic store
     assert [r["i"] for r in read_event_log(storage)] == [0, 1, 2]
+
+
+# --- the catalogue (cluster.events): every kind written is declared, with every field it carries ----------
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "cluster"
+
+
+def written_kinds() -> dict[str, set[str]]:
+    """Each event kind the package writes, with the keyword fields it passes: calls like
+    ``<...events>.append("kind", ...)``, ``EventLog(...).append("kind", ...)``,
+    ``<record>.event("kind", ...)`` and a tracking sink's ``note("kind", ...)`` (``**`` expansions are not
+    seen)."""
+    import ast
+
+    found: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args):
+                continue
+            first, owner = node.args[0], ast.unparse(node.func.value)
+            if not (isinstance(first, ast.Constant) and isinstance(first.value, str)):
+                continue
+            attr = node.func.attr
+            if (attr == "append" and ("events" in owner or "EventLog" in owner)) or attr in ("event", "note"):
+                found.setdefault(first.value, set()).update(k.arg for k in node.keywords if k.arg)
+    return found
+
+
+def test_every_event_the_package_writes_is_declared_with_its_fields() -> None:
+    from cluster.events import KINDS, line
+
+    written = written_kinds()
+    assert {"run_start", "failure", "recovered", "checkpoint", "finished", "rewound"} <= set(written)
+    assert set(written) - set(KINDS) == set(), "declare these kinds in cluster/events.py"
+    for kind, fields in written.items():
+        assert fields - set(KINDS[kind].fields) == set(), f"{kind}: declare these fields in cluster/events.py"
+    # the kinds written under a computed name (a move's record) are declared too
+    assert {"preemption_move", "slow_rank_moved"} <= set(KINDS)
+    for kind in KINDS.values():  # every kind reads as one line, even with none of its fields
+        assert kind.when and kind.fields and "\n" not in line(kind.name, {"event": kind.name})
+
+
+def test_an_unknown_kind_reads_as_its_fields() -> None:
+    from cluster.events import detail, line
+
+    record = {"time": 1.0, "event": "from_the_future", "a": 1, "b": None, "config": {"x": 1}}
+    assert line("from_the_future", record) == "from_the_future a=1"
+    assert detail(record) == "**from_the_future** a=1"
