@@ -68,6 +68,17 @@ def _parser() -> argparse.ArgumentParser:
         )
         return cmd
 
+    _add_reading(add)
+    _add_checkpoint_commands(add)
+    _add_requests(add)
+    for which, page in (("config", "the configuration reference"), ("events", "the events reference")):
+        dc = sub.add_parser(f"docs-{which}", help=f"print {page} (docs/{which}.md, generated)")
+        dc.add_argument("--write", metavar="FILE", help="replace the reference block in this file instead")
+    return p
+
+
+def _add_reading(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    """``list``, ``show``, ``plot``: what a run holds."""
     ls = add("list", "the runs under a storage URL, one line each")
     ls.add_argument("url", help="storage URL that holds runs, e.g. ./runs or s3://bucket/runs")
     ls.add_argument(
@@ -92,6 +103,9 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("name", nargs="?", help="run name under URL")
     pl.add_argument("--out", required=True, help="PNG file to write, e.g. loss.png")
 
+
+def _add_checkpoint_commands(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    """``eval``, ``export``, ``rewind``: a checkpoint used, or gone back to."""
     ev = add("eval", "evaluate a checkpoint on its run's eval set, in this process (the run's Task; no Ray)")
     ev.add_argument("url", help="URL/NAME of a run, or the storage URL when NAME is given")
     ev.add_argument("name", nargs="?", help="run name under URL")
@@ -133,6 +147,9 @@ def _parser() -> argparse.ArgumentParser:
     rw.add_argument("--to", type=int, required=True, metavar="STEP", help="the checkpoint step to go back to")
     rw.add_argument("--yes", action="store_true", help="delete the newer checkpoints (without: list them)")
 
+
+def _add_requests(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    """``stop``, ``stacks``, ``profile``: requests to a running job; ``watch`` follows one."""
     st = add(
         "stop",
         "ask the job training a run to stop at its next step with a checkpoint there (resubmit to resume)",
@@ -179,11 +196,6 @@ def _parser() -> argparse.ArgumentParser:
     wa.add_argument("--interval", type=float, default=5.0, metavar="SECONDS", help="how often to look (5)")
     wa.add_argument("--all", action="store_true", help="every event, not only the notable ones")
     wa.add_argument("--backlog", type=int, default=10, help="earlier events to print first (default 10)")
-
-    for which, page in (("config", "the configuration reference"), ("events", "the events reference")):
-        dc = sub.add_parser(f"docs-{which}", help=f"print {page} (docs/{which}.md, generated)")
-        dc.add_argument("--write", metavar="FILE", help="replace the reference block in this file instead")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

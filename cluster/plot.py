@@ -7,7 +7,7 @@ raises InspectError saying so.
 
 from __future__ import annotations
 
-from cluster.inspect import InspectError, eval_rows, read_events, read_run_json
+from cluster.inspect.runs import InspectError, eval_rows, read_events, read_run_json
 from cluster.metrics import read_metrics
 from cluster.storage import Storage
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from cluster.checkpoint import CheckpointStore
 from cluster.errors import CheckpointError, ConfigError
-from cluster.inspect import RUNNING, live_status, read_events
+from cluster.inspect.runs import RUNNING, live_status, read_events
 from cluster.load import load_checkpoint
 from cluster.metrics import EventLog
 from cluster.storage import Storage
