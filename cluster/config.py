@@ -18,6 +18,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from cluster.errors import ConfigError
+from cluster.schedule import Window, merge_windows, skip_windows  # noqa: F401  (also imported from here)
 from cluster.storage import url_problem
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -482,38 +483,6 @@ def load_config(
 def from_dict(data: dict[str, Any]) -> JobConfig:
     """Build and validate a JobConfig from a (possibly partial) nested dict."""
     return load_config(data=data)
-
-
-Window = tuple[int, int]
-"""Steps ``first``..``last`` (inclusive, 1-based optimizer steps) whose batches are skipped."""
-
-
-def skip_windows(entries: list[int | str], key: str = "training.skip_steps") -> list[Window]:
-    """``training.skip_steps`` as sorted, merged windows; ConfigError naming a malformed entry."""
-    windows: list[Window] = []
-    for i, entry in enumerate(entries):
-        text = str(entry).strip()
-        m = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", text)
-        first = int(m.group(1)) if m else 0
-        last = int(m.group(2)) if m and m.group(2) else first
-        if m is None or not 1 <= first <= last:
-            raise ConfigError(
-                f'{key}[{i}]={entry!r} is not a step or a range of steps; write 1450 or "1201-1300" '
-                "(inclusive, steps counted from 1, first <= last)"
-            )
-        windows.append((first, last))
-    return merge_windows(windows)
-
-
-def merge_windows(windows: list[Window]) -> list[Window]:
-    """Sorted, with overlapping or adjacent windows joined."""
-    out: list[Window] = []
-    for first, last in sorted(windows):
-        if out and first <= out[-1][1] + 1:
-            out[-1] = (out[-1][0], max(out[-1][1], last))
-        else:
-            out.append((first, last))
-    return out
 
 
 def validate(cfg: JobConfig) -> None:

@@ -31,9 +31,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cluster.config import EvaluationConfig, JobConfig
+from cluster.config import JobConfig
 from cluster.data import fetch_batch
 from cluster.errors import ConfigError
+from cluster.schedule import eval_due as eval_due  # where cluster.driver imports it from
 from cluster.task import Task, extra_metrics
 
 
@@ -64,21 +65,6 @@ def eval_batch_count(dataset: Any, cfg: JobConfig) -> int:
     batches = math.ceil(len(dataset) / eval_batch_size(cfg))
     limit = cfg.evaluation.max_batches
     return min(batches, limit) if limit is not None else batches
-
-
-def eval_due(step: int, steps_per_epoch: int, epochs: int, e: EvaluationConfig) -> bool:
-    """Whether an evaluation belongs after global step ``step`` (the end of each ``every_steps``-th step,
-    of each ``every_epochs``-th epoch, and of the last epoch; step 0, before any, with ``at_start``)."""
-    if step == 0:
-        return e.at_start
-    if step < 0 or steps_per_epoch <= 0:
-        return False
-    if e.every_steps and step % e.every_steps == 0:
-        return True
-    if step % steps_per_epoch:
-        return False
-    done = step // steps_per_epoch  # epochs finished
-    return done == epochs or bool(e.every_epochs and done % e.every_epochs == 0)
 
 
 class BestEval:

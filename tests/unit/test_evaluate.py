@@ -11,8 +11,9 @@ from torch import nn
 from cluster import Task, TensorBatchDataset, load_config
 from cluster.config import EvaluationConfig
 from cluster.errors import ConfigError
-from cluster.evaluate import _combine, eval_batch_size, eval_due, evaluate
+from cluster.evaluate import _combine, eval_batch_size, evaluate
 from cluster.inspect import eval_rows, format_evaluations
+from cluster.schedule import eval_due
 from cluster.tracking import scalars
 from cluster.worker import _checked_eval_set
 

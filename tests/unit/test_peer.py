@@ -97,7 +97,7 @@ def test_a_sharded_optimizer_is_reported_unsendable(tmp_path: object) -> None:
     import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from cluster.worker import _unsendable
+    from cluster.ddp import unsendable as _unsendable
 
     model = torch.nn.Linear(2, 2)
     assert _unsendable(torch.optim.AdamW(model.parameters())) == ""

@@ -130,7 +130,7 @@ def test_skipped_steps_keep_their_place_and_the_loader_leaves_them_out() -> None
     """A skipped step's batch is still yielded in place (positions never shift: the next step trains the
     batch it would have trained); the loader's micro-batches leave it out."""
     from cluster.data import MicroBatches
-    from cluster.worker import steps_to_skip
+    from cluster.schedule import steps_to_skip
 
     plain = ResumableDistributedSampler(96, 8, 1, 2, seed=3)
     plain.set_epoch(1, 2)

@@ -12,7 +12,7 @@ from cluster.checkpoint import deserialize, serialize
 from cluster.data import LEGACY_ORDER, TORCH_ORDER
 from cluster.errors import CheckpointError
 from cluster.task import extra_metrics
-from cluster.worker import TrainState
+from cluster.train_state import TrainState
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
