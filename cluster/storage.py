@@ -131,7 +131,7 @@ def url_problem(url: str, key: str = "storage.url") -> str | None:
         if not rest.strip("/"):
             return f"{key}={u!r} names no folder; write memory://NAME"
         return None
-    if not host:
+    if not host and not _local_protocol(proto):
         return (
             f"{key}={u!r} names no bucket or host after '{scheme}://'; write {scheme}://BUCKET/prefix "
             f"(e.g. {scheme}://my-bucket/runs)"
@@ -147,6 +147,15 @@ def url_problem(url: str, key: str = "storage.url") -> str | None:
         )
         return f"{key}={u!r}: the fsspec backend for {scheme}:// is not installed; {fix}"
     return None
+
+
+def _local_protocol(proto: str) -> bool:
+    """Whether ``proto``'s filesystem is local paths under another name (``local_file``, as fsspec's own
+    local filesystem): its URLs name a folder, not a bucket."""
+    try:
+        return bool(getattr(fsspec.get_filesystem_class(proto), "local_file", False))
+    except (ImportError, ValueError):
+        return False
 
 
 def normalize_url(url: str) -> str:
@@ -220,6 +229,9 @@ class Storage:
             ) from None
         self.fs: fsspec.AbstractFileSystem = fs
         self.path: str = path.rstrip("/") or "/"
+        self.local = bool(getattr(fs, "local_file", False))
+        """Paths are the OS's own (a local disk or a shared mount): folders exist, a rename is atomic and
+        an fsync makes a write durable. Otherwise an object store: a PUT is atomic, there are no folders."""
         self.reads = 0
         """Files read through this object (``read_bytes``), and their bytes: what a recovery read."""
         self.bytes_read = 0
@@ -269,26 +281,66 @@ class Storage:
                 self.fs.invalidate_cache()
 
     def write_bytes(self, rel: str, data: bytes) -> None:
+        """Write a file. On a local filesystem it is on disk (fsync) when this returns, so a manifest
+        published after it never names a file a power cut could still lose."""
         path = self._p(rel)
 
-        local = is_local(self.root)
-
         def put() -> None:
-            parent = path.rsplit("/", 1)[0]
-            if parent and local:  # object stores have no folders (and s3fs would create a missing bucket)
-                self.fs.makedirs(parent, exist_ok=True)
-            self.fs.pipe_file(path, data)
+            if self.local:  # object stores have no folders (and s3fs would create a missing bucket)
+                self.fs.makedirs(path.rsplit("/", 1)[0] or "/", exist_ok=True)
+                with self.fs.open(path, "wb") as fh:
+                    fh.write(data)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+            else:
+                self.fs.pipe_file(path, data)
 
         self.retry(f"writing {self.url(rel)}", put)
 
     def write_atomic(self, rel: str, data: bytes) -> None:
-        """Write so that readers see the old content or the new, never a torn file."""
-        if is_local(self.root):
+        """Write so that readers see the old content or the new, never a torn file.
+
+        Locally: a temporary file, fsynced, then its folder fsynced (the entries of the files written
+        before it, such as a checkpoint's data files, are durable before anything names them), then the
+        rename that publishes it, then the folder again (the rename itself is durable)."""
+        if self.local:
             tmp = f"{rel}.tmp-{os.getpid()}-{random.randrange(1 << 30)}"
             self.write_bytes(tmp, data)
+            folder = self._p(rel).rsplit("/", 1)[0] or "/"
+            _fsync_folder(folder)
             self.retry(f"renaming {self.url(tmp)}", lambda: self.fs.mv(self._p(tmp), self._p(rel)))
+            _fsync_folder(folder)
         else:  # an object store's PUT is atomic: the object appears whole or not at all
             self.write_bytes(rel, data)
+
+    def move(self, src: str, dst: str, last: str | None = None) -> None:
+        """Move the folder ``src`` to ``dst``, which must not exist yet.
+
+        Locally one rename (atomic). On an object store every object is copied (``last``, e.g. a
+        manifest, after the others) before any is deleted (``last`` first): a crash part way leaves
+        ``src`` whole, or ``dst`` whole, never neither."""
+        if self.local:
+            parent = self._p(dst).rsplit("/", 1)[0] or "/"
+            self.retry(f"creating {self.url(dst)}", lambda: self.fs.makedirs(parent, exist_ok=True))
+            self.retry(
+                f"moving {self.url(src)} to {self.url(dst)}",
+                lambda: self.fs.mv(self._p(src), self._p(dst), recursive=True),
+            )
+            _fsync_folder(parent)
+            _fsync_folder(self._p(src).rsplit("/", 1)[0] or "/")
+            return
+        base = self._p(src)
+        names = sorted(
+            str(p)[len(base) + 1 :]
+            for p in self.retry(f"listing {self.url(src)}", lambda: self.fs.find(base))
+        )
+        order = sorted(names, key=lambda n: n == last)  # ``last`` copied last, deleted first
+        for name in order:
+            s, d = f"{src}/{name}", f"{dst}/{name}"
+            self.retry(f"copying {self.url(s)}", lambda s=s, d=d: self.fs.copy(self._p(s), self._p(d)))
+        for name in reversed(order):
+            self.rm(f"{src}/{name}")
+        self.rm(src, recursive=True)
 
     def read_bytes(self, rel: str) -> bytes:
         data: bytes = self.retry(f"reading {self.url(rel)}", lambda: self.fs.cat_file(self._p(rel)))
@@ -326,6 +378,15 @@ class Storage:
 
     def open_fs_path(self, rel: str) -> tuple[fsspec.AbstractFileSystem, str]:
         return self.fs, self._p(rel)
+
+
+def _fsync_folder(path: str) -> None:
+    """Make a local folder's entries (files created or renamed in it) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_probe(storage: Storage) -> str:
