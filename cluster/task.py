@@ -56,8 +56,10 @@ class Task:
        (docs/runs.md). It must not change the model: training continues from the same state.
 
     A warm restart (a healthy worker kept after another rank failed) keeps the Task instance and its
-    dataset; the model, optimizer and scheduler are always built anew and loaded from the checkpoint, so
-    state kept on the Task between steps must not be needed for exact resume. The hot spare runs steps 1-2
+    dataset. The model, optimizer and scheduler are built anew at every group start, except on a rank that
+    survives a failure and sends its state to the others (recovery from peers); the state is then loaded
+    into the new ones (from that rank, or from the checkpoint). State kept on the Task between steps must not
+    be needed for exact resume. The hot spare runs steps 1-2
     ahead of time.
     """
 
