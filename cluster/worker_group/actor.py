@@ -124,9 +124,11 @@ _TRAINING_MODULES = (
     "checkpoint.py",
     "config.py",
     "data.py",
+    "ddp.py",
     "dist.py",
     "errors.py",
     "evaluate.py",
+    "faults.py",
     "group.py",
     "load.py",
     "pace.py",
@@ -135,11 +137,14 @@ _TRAINING_MODULES = (
     "preemption.py",
     "process.py",
     "profiling.py",
+    "schedule.py",
     "stacks.py",
     "storage.py",
     "task.py",
+    "train_state.py",
     "worker.py",
     "worker_group/",
+    "worker_recovery.py",
 )
 
 
