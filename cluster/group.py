@@ -253,11 +253,6 @@ class WorkerGroup(Protocol):
         """Give up the move in progress: stop its replacements, release their resources."""
         ...
 
-    # kept until the driver calls salvage(None, attempt, leaving=..., keep_state=...); remove then
-    def salvage_stopped(self, attempt: int, retire: list[int], keep_state: bool) -> Salvage | None:
-        """``salvage(None, attempt, leaving=retire, keep_state=keep_state)``."""
-        ...
-
     def shutdown(self, graceful: bool) -> None:
         """Stop every worker; graceful destroys process groups first, otherwise kill at once."""
         ...

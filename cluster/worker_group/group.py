@@ -344,10 +344,6 @@ class RayWorkerGroup:
         checkpoint). All of them or none."""
         return salvage_.salvage(self, attempt, failure, leaving, keep_state)
 
-    def salvage_stopped(self, attempt: int, retire: list[int], keep_state: bool) -> Salvage | None:
-        # kept until the driver calls salvage(); remove then
-        return self.salvage(None, attempt, leaving=retire, keep_state=keep_state)
-
     def adopt(self, salvage: Salvage) -> None:
         res: Resources = salvage.resources
         self.placement.adopt(res)
