@@ -1,5 +1,6 @@
-"""Shared fixtures. Ray token auth is disabled for the suite (one test turns it on deliberately), and every
-Ray instance gets a temp dir of its own: the default /tmp/ray is shared with anything else on the machine."""
+"""Shared fixtures, and each test's tier marker from its folder (``tests/unit`` -> ``unit``, ...). Ray token
+auth is disabled for the suite (one test turns it on deliberately), and every Ray instance gets a temp dir
+of its own: the default /tmp/ray is shared with anything else on the machine."""
 
 from __future__ import annotations
 
@@ -20,6 +21,19 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from tests.support.storage import moto_s3  # noqa: E402, F401  (a real moto_server S3 on loopback)
+
+TIERS = ("unit", "multiprocess", "ray", "cluster", "gpu")  # one folder of tests/ each
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` selects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test with its folder's tier, unless it names a tier itself (a test in tests/ray that starts
+    no Ray says ``multiprocess``)."""
+    tests_dir = os.path.join(REPO, "tests")
+    for item in items:
+        folder = os.path.relpath(str(item.path), tests_dir).split(os.sep)[0]
+        if folder in TIERS and not any(item.get_closest_marker(tier) for tier in TIERS):
+            item.add_marker(folder)
 
 
 @pytest.fixture(scope="module")

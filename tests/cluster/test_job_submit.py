@@ -24,8 +24,6 @@ from cluster.inspect import read_events
 from cluster.storage import Storage
 from tests.cluster.rayproc import EXCLUDES, REPO, Head, owned_pids
 
-pytestmark = pytest.mark.cluster
-
 RUNTIME_ENV = json.dumps({"excludes": EXCLUDES})
 
 

@@ -24,7 +24,7 @@ from cluster.storage import Storage
 from tests.cluster.netns import IFNAME, Hosts, NetnsUnavailable, kill_all, start_node
 from tests.cluster.rayproc import EXCLUDES, RAY, REPO, ray_env
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 # Fast failure detection: a node whose raylet stops answering is declared dead after ~3 s, not ~30 s.
 HEALTH = json.dumps(

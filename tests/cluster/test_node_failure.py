@@ -18,7 +18,7 @@ from cluster import load_config, train
 from tests.cluster.conftest import events, wait_for
 from tests.support.tasks import audit
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 B, SAMPLES, EPOCHS = 32, 512, 3
 STEPS = SAMPLES // B

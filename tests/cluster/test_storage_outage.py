@@ -14,8 +14,6 @@ from cluster.inspect import read_events
 from cluster.storage import Storage
 from tests.support.storage import MotoS3
 
-pytestmark = [pytest.mark.cluster]
-
 
 @pytest.mark.timeout(300)
 def test_job_finishes_through_a_storage_outage(

@@ -11,7 +11,6 @@ import torch
 from tests.multiprocess.mp_helpers import run_workers, tiny_config
 
 pytestmark = [
-    pytest.mark.gpu,
     pytest.mark.timeout(300),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)"),
 ]

@@ -9,7 +9,6 @@ import torch
 from cluster import dry_run, load_config
 
 pytestmark = [
-    pytest.mark.gpu,
     pytest.mark.timeout(300),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)"),
 ]

@@ -14,7 +14,6 @@ from cluster.evaluate import evaluate
 from jobs.tasks.charlm import CharLMTask
 
 pytestmark = [
-    pytest.mark.gpu,
     pytest.mark.timeout(120),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)"),
 ]

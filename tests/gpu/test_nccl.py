@@ -8,7 +8,6 @@ import pytest
 import torch
 
 pytestmark = [
-    pytest.mark.gpu,
     pytest.mark.timeout(300),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)"),
 ]

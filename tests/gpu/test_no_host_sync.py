@@ -13,7 +13,6 @@ from torch import nn
 from jobs.tasks.charlm import CharLMTask
 
 pytestmark = [
-    pytest.mark.gpu,
     pytest.mark.timeout(300),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)"),
 ]

@@ -13,7 +13,6 @@ from torch import nn
 from cluster.pace import StepPace
 
 pytestmark = [
-    pytest.mark.gpu,
     pytest.mark.timeout(120),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)"),
 ]

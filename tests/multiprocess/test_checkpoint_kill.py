@@ -16,7 +16,7 @@ import torch
 from cluster.checkpoint import MANIFEST, CheckpointStore, step_dir
 from cluster.storage import Storage
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -7,7 +7,7 @@ import torch
 
 from tests.multiprocess.mp_helpers import run_workers, tiny_config
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 
 
 def test_two_workers_equal_one_process_on_the_same_global_batch(tmp_path: object) -> None:

@@ -28,7 +28,7 @@ from cluster.task import build_task
 from tests.multiprocess.mp_helpers import run_workers, tiny_config
 from tests.support.tasks import MapStyleTask
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 
 TASK = "tests.support.tasks:MapStyleTask"
 

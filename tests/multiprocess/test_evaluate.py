@@ -22,7 +22,7 @@ from cluster.config import JobConfig
 from cluster.data import EvalLoader
 from cluster.evaluate import EvalResult, evaluate
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 SAMPLES, BATCH = 203, 16  # 13 batches, the last of 11 samples: uneven shares at 2 and 3 ranks
 

@@ -22,7 +22,7 @@ from cluster.storage import Storage
 from cluster.task import Task
 from tests.multiprocess.mp_helpers import run_workers, tiny_config
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 
 
 class NoisyItems(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cluster.pace import StepPace
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 LAG_S, STEPS = 0.04, 12
 

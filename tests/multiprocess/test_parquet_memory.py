@@ -23,7 +23,7 @@ from cluster.worker import Worker
 from jobs.tasks.tabular import TabularTask
 from tests.multiprocess.mp_helpers import tiny_config
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 BUDGET_MB = 12
 FEATURES = 16

@@ -11,7 +11,7 @@ import torch
 from jobs.make_tabular import write
 from tests.multiprocess.mp_helpers import run_workers, tiny_config
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 
 
 def _overrides(data: str, *extra: str) -> list[str]:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 WORLD, SOURCE = 3, 1
 

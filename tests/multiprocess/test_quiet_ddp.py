@@ -10,7 +10,7 @@ import pytest
 
 from tests.multiprocess.mp_helpers import run_workers, tiny_config
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.timeout(180)
 
 DDP_NOTE = "find_unused_parameters=True was specified in DDP constructor"
 

@@ -17,7 +17,7 @@ from cluster.storage import Storage, check_probe, write_probe
 from jobs.make_tabular import make_table, write
 from tests.support.storage import MotoS3
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 
 def test_storage_round_trip_on_s3(moto_s3: MotoS3) -> None:

@@ -18,7 +18,7 @@ from cluster.data import LEGACY_ORDER, TORCH_ORDER
 from cluster.storage import Storage
 from tests.multiprocess.mp_helpers import run_workers, tiny_config
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 
 SEED, WORLD, BATCH, SAMPLES = 3, 2, 32, 512
 

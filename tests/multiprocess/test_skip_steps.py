@@ -10,7 +10,7 @@ import torch
 
 from tests.multiprocess.mp_helpers import run_workers, tiny_config
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.timeout(180)
 
 
 def test_skipped_steps_train_nothing_and_the_schedule_moves_on(tmp_path: object) -> None:

@@ -23,7 +23,7 @@ from cluster.worker import Worker
 from tests.multiprocess.mp_helpers import run_workers, tiny_config
 from tests.support.tasks import MapStyleTask
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 TASK = f"{__name__}:GroupedTask"
 

@@ -19,7 +19,7 @@ from cluster.checkpoint import step_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 
 
 def cli(*args: str, pre: str = "") -> subprocess.CompletedProcess[str]:

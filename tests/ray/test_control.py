@@ -27,7 +27,7 @@ from cluster.inspect import STOPPED, read_events, run_status
 from cluster.storage import Storage
 from tests.support.faults import assert_bitwise_equal
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EPOCHS, STEPS = 3, 20

@@ -13,7 +13,7 @@ from cluster.inspect import read_events
 from cluster.storage import Storage
 from jobs.tasks.charlm import CharLMTask
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 
 def events(run_url: str) -> list[dict]:

@@ -24,7 +24,7 @@ from cluster.storage import Storage
 from cluster.task import build_task
 from tests.support.faults import EPOCHS, STEPS, assert_bitwise_equal, events, final_model, overrides
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.timeout(180)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

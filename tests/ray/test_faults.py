@@ -24,7 +24,7 @@ from cluster.metrics import read_metrics
 from cluster.storage import Storage
 from tests.support.faults import EPOCHS, STEPS, assert_bitwise_equal, events, final_model, overrides
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from cluster.errors import ConfigError
 from cluster.inspect import read_events
 from cluster.storage import Storage
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 
 def config(storage: str, name: str, *extra: str) -> JobConfig:

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

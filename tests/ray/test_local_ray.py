@@ -11,7 +11,7 @@ import pytest
 
 from cluster import local_ray
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 
 def _descendants(root: int) -> set[int]:

@@ -23,7 +23,7 @@ from cluster.checkpoint import CheckpointStore
 from cluster.inspect import format_show, read_events, report
 from cluster.storage import Storage
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 
 POISON = 413
 WINDOWS = [(10, 12), (30, 32)]

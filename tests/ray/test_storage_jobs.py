@@ -17,8 +17,6 @@ from cluster.storage import Storage
 from jobs.make_tabular import write
 from tests.support.storage import MotoS3
 
-pytestmark = [pytest.mark.ray]
-
 SECRET = "s3cr3t-Do-Not-Leak-7f3a9c"
 
 

@@ -105,7 +105,6 @@ def webhook() -> Iterator[Hook]:
     h.close()
 
 
-@pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_a_real_job_in_mlflow_and_tensorboard_and_its_resubmission(
     ray_local: None,

@@ -10,7 +10,7 @@ import torch
 from cluster.checkpoint import CheckpointStore, CheckpointWriter, serialize, step_dir
 from cluster.storage import Storage
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture(params=["memory", "local"])

@@ -10,7 +10,7 @@ import pytest
 from cluster.config import JobConfig, field_docs, load_config, parse_fault_env
 from cluster.errors import ConfigError
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
+pytestmark = pytest.mark.timeout(30)
 
 TINY = os.path.abspath("jobs/configs/tiny_cpu.yaml")
 

@@ -6,7 +6,7 @@ import pytest
 
 from cluster.worker_group import connect_waves
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(10)]
+pytestmark = pytest.mark.timeout(10)
 
 
 @pytest.mark.parametrize("n", [1, 2, 16, 17, 32, 100, 1000])

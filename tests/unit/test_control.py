@@ -23,7 +23,7 @@ from cluster.control import (
 from cluster.inspect import FINISHED, INTERRUPTED, RUNNING, UNFINISHED, format_show, live_status, report
 from cluster.storage import Storage
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 def ev(event: str, **fields: object) -> dict[str, object]:

@@ -21,7 +21,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 README = os.path.join(REPO, "README.md")
 CONFIG_DOC = os.path.join(REPO, "docs", "config.md")
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 def _config_doc() -> str:

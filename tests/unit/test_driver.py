@@ -22,7 +22,7 @@ from cluster.peer import PeerPlan, PeerState
 from cluster.preemption import DrainNotice
 from tests.support.fakes import STEPS, ScriptedGroup, kinds, make
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
+pytestmark = pytest.mark.timeout(30)
 
 
 def test_clean_run_walks_the_states_and_finishes() -> None:

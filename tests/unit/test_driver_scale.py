@@ -10,7 +10,7 @@ from cluster.errors import Failure
 from tests.support.fakes import STEPS, ScriptedGroup, kinds
 from tests.support.scale import DEAD, SLOW, N, big_driver, cpu_per_round
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 
 def test_thousand_ranks_epochs_heartbeats_storm_and_resize() -> None:

@@ -14,7 +14,7 @@ from cluster.dryrun import DryRunError
 from cluster.task import build_task
 from jobs.train import main
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 
 def cfg(tmp_path: Any, mode: str, *extra: str) -> Any:

@@ -17,7 +17,7 @@ from cluster.schedule import eval_due
 from cluster.tracking import scalars
 from cluster.worker import _checked_eval_set
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
+pytestmark = pytest.mark.timeout(30)
 
 
 class Mean(Task):

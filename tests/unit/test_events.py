@@ -15,7 +15,7 @@ from cluster.inspect import read_events
 from cluster.metrics import EventLog, read_event_log
 from cluster.storage import Storage
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 class CountingStorage(Storage):

@@ -18,7 +18,7 @@ from cluster.errors import ConfigError
 from cluster.export import export_checkpoint
 from cluster.storage import Storage
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 class Tied(nn.Module):

@@ -17,7 +17,7 @@ from cluster.inspect import (
     slow_rank_records,
 )
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 def ev(event: str, **fields: object) -> dict[str, object]:

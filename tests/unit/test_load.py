@@ -15,7 +15,7 @@ from cluster.errors import CheckpointError, ConfigError
 from cluster.storage import Storage
 from tests.support.tasks import AuditTask
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 def make_run(root: pathlib.Path, steps: list[int]) -> tuple[str, dict[int, dict[str, torch.Tensor]]]:

@@ -11,7 +11,7 @@ import pytest
 from cluster.metrics import SCHEMA, read_metrics, write_metrics
 from cluster.storage import Storage
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 def _row(i: int, **over: object) -> dict[str, object]:

@@ -14,7 +14,7 @@ from cluster.errors import ConfigError, Failure
 from cluster.tracking import Tracker, WebhookSink
 from tests.support.fakes import Hook, make
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture

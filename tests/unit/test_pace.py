@@ -15,7 +15,7 @@ from cluster.group import Heartbeat
 from cluster.pace import KEEP_HOOKS, Pace, StepPace
 from cluster.policy import SLOW_ROUNDS, SlowRankWatch
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
+pytestmark = pytest.mark.timeout(30)
 
 
 def beats(*compute_ms: float | None, input_ms: dict[int, float] | None = None) -> list[Heartbeat | None]:

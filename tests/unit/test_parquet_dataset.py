@@ -17,7 +17,7 @@ from cluster.errors import ConfigError
 from cluster.parquet import BlockedPermutation, ParquetDataset
 from tests.support.storage import MotoS3
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 def _write(folder: Path, files: int = 3, rows: int = 1000, group: int = 100, start: int = 0) -> Path:

@@ -17,7 +17,7 @@ from cluster.peer import (
     state_digest,
 )
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
+pytestmark = pytest.mark.timeout(30)
 
 
 def peer(rank: int, step: int, digest: str = "d", unsendable: str = "") -> PeerState:

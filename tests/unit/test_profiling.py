@@ -12,7 +12,7 @@ import torch
 from cluster.profiling import ProfileRequest, StepProfiler, table_name, trace_name
 from cluster.storage import Storage
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 def _steps(prof: StepProfiler, model: torch.nn.Module, first: int, n: int) -> None:

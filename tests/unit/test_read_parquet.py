@@ -14,7 +14,7 @@ from cluster.data import read_parquet
 from cluster.errors import ConfigError
 from jobs.make_tabular import make_table, write
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 def test_folder_file_and_glob(tmp_path: object) -> None:

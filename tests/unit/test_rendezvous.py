@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from cluster.dist import bind_store, store_host
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 def _listening_in(table: str, port: int) -> bool:

@@ -15,7 +15,7 @@ from cluster.control import DriverBeat
 from cluster.inspect import format_show, read_events, report
 from cluster.storage import Storage
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 def make_run(tmp_path: Any) -> str:

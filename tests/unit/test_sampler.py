@@ -8,7 +8,7 @@ from torch.utils.data import DistributedSampler
 
 from cluster.data import LEGACY_ORDER, TORCH_ORDER, ResumableDistributedSampler
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
+pytestmark = pytest.mark.timeout(30)
 
 
 def shards(n: int, b: int, world: int, epoch: int, start: int = 0, seed: int = 0) -> list[list[torch.Tensor]]:

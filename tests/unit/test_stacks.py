@@ -8,7 +8,7 @@ import pytest
 
 from cluster.stacks import Frame, ThreadStack, from_wire, group, ranges, render, take, to_wire, where
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
+pytestmark = pytest.mark.timeout(30)
 
 
 def _parked_in_user_code(release: threading.Event) -> None:

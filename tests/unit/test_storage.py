@@ -14,7 +14,7 @@ from cluster.config import load_config
 from cluster.errors import ConfigError, StorageError
 from cluster.storage import PROBE, Storage, check_probe, check_relative, redact, write_probe
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 ESCAPES = ["../x", "/abs", "..", "a/../../b", "s3://x", "a/..", "..\\x", "a\x00b"]
 

@@ -12,7 +12,7 @@ import pytest
 from cluster import load_config, submit
 from cluster.errors import ConfigError
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(REPO, "jobs/configs/tiny_cpu.yaml")

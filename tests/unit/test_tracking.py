@@ -17,7 +17,7 @@ from cluster.storage import Storage
 from cluster.tracking import Item, Tracker, flatten, scalars
 from tests.support.fakes import STEPS, RowsGroup, make
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 class FlakySink:

@@ -14,7 +14,7 @@ from cluster.errors import CheckpointError
 from cluster.task import extra_metrics
 from cluster.train_state import TrainState
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
+pytestmark = pytest.mark.timeout(30)
 
 
 def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:

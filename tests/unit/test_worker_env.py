@@ -10,7 +10,7 @@ import pytest
 from cluster.config import load_config
 from cluster.process import worker_env
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
+pytestmark = pytest.mark.timeout(30)
 
 
 @pytest.mark.parametrize(
