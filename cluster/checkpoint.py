@@ -13,6 +13,7 @@ import builtins
 import hashlib
 import io
 import json
+import logging
 import math
 import threading
 import time
@@ -23,10 +24,14 @@ from typing import Any
 import torch
 
 from cluster.errors import CheckpointError, StorageError
-from cluster.storage import Storage
+from cluster.storage import Storage, check_relative
+
+logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 CKPT_DIR = "checkpoints"
+QUARANTINE = f"{CKPT_DIR}/quarantine"
+DISCARDED = f"{CKPT_DIR}/discarded"
 FORMAT_VERSION = 1
 
 
@@ -79,13 +84,31 @@ def deserialize(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
+class CheckpointUnreadableError(StorageError):
+    """The checkpoints could not be read (storage failed after its retries) or a verified one holds a state
+    the safe loader refuses. Which state the run is in is unknown: a failure of the attempt, never a reason
+    to start from an older checkpoint or from step 0."""
+
+
 class CheckpointStore:
-    """Checkpoints of one run, under ``<run_url>/checkpoints/``."""
+    """Checkpoints of one run, under ``<run_url>/checkpoints/``.
+
+    ``list``/``load_latest`` see only ``step_N`` folders: ``quarantine/`` (checkpoints that failed
+    verification, moved aside by :meth:`retain`) and ``discarded/`` (the best and milestones of a path a
+    rollback left, set aside by :meth:`discard_after`) are kept for people, never resumed from.
+    """
 
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
         self.last_skipped: list[tuple[int, str]] = []
         """(step, reason) of every checkpoint the last ``load_latest`` passed over, newest first."""
+        self.last_quarantined: list[tuple[int, str]] = []
+        """(step, reason) of the checkpoints the last ``retain`` moved to ``checkpoints/quarantine/``."""
+        self.last_set_aside: list[int] = []
+        """Steps the last ``discard_after`` moved to ``checkpoints/discarded/`` instead of deleting."""
+        self._trusted: dict[int, str] = {}
+        """step -> checksums of a checkpoint this object wrote or verified: retention need not read it
+        again. A commit at an older step drops the newer ones (the run went back past them)."""
 
     def commit(self, step: int, files: dict[str, bytes], meta: dict[str, Any]) -> CheckpointInfo:
         """Write every file, then the manifest last. Until the manifest lands the checkpoint does not exist.
@@ -94,6 +117,7 @@ class CheckpointStore:
         deleted first, so no reader ever pairs the old manifest with half-written new files.
         """
         d = step_dir(step)
+        self._trusted = {s: sig for s, sig in self._trusted.items() if s < step}
         self.storage.rm(f"{d}/{MANIFEST}")
         entries = {}
         for name, data in files.items():
@@ -107,15 +131,18 @@ class CheckpointStore:
             "committed_at": time.time(),
         }
         self.storage.write_atomic(f"{d}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
-        return CheckpointInfo(step=step, url=self.storage.url(d), manifest=manifest)
+        info = CheckpointInfo(step=step, url=self.storage.url(d), manifest=manifest)
+        self._trusted[step] = _signature(info)
+        return info
 
     def steps_on_storage(self) -> list[int]:
-        """Every step folder, committed or not, ascending."""
+        """Every step folder, committed or not, ascending. StorageError when the listing fails."""
         steps = [_parse_step(n) for n in self.storage.listdir(CKPT_DIR)]
         return sorted(s for s in steps if s is not None)
 
     def list(self) -> list[CheckpointInfo]:
-        """Committed checkpoints (manifest present and parseable), ascending by step. Not checksummed."""
+        """Committed checkpoints (manifest present and parseable), ascending by step. Not checksummed.
+        StorageError when the listing or a manifest cannot be read: never a shorter list."""
         out = []
         for step in self.steps_on_storage():
             info = self._info(step)
@@ -128,62 +155,82 @@ class CheckpointStore:
         return info
 
     def read_manifest(self, step: int) -> tuple[CheckpointInfo | None, str]:
-        """The checkpoint at ``step``, or None and why it does not count as committed."""
+        """The checkpoint at ``step``, or None and why it does not count as committed. StorageError when
+        the manifest cannot be read."""
+        info, why, _ = self._manifest(step)
+        return info, why
+
+    def _manifest(self, step: int) -> tuple[CheckpointInfo | None, str, bool]:
+        """As :meth:`read_manifest`, plus whether a manifest is there (a corrupt one, when info is None)."""
         d = step_dir(step)
         url = self.storage.url(d)
         try:
             manifest = json.loads(self.storage.read_bytes(f"{d}/{MANIFEST}"))
         except FileNotFoundError:
-            return None, f"{url} has no {MANIFEST}: its write never committed (torn or in flight)"
+            return None, f"{url} has no {MANIFEST}: its write never committed (torn or in flight)", False
         except (ValueError, UnicodeDecodeError):
-            return None, f"{url}/{MANIFEST} is not valid JSON (corrupted)"
+            return None, f"{url}/{MANIFEST} is not valid JSON (corrupted)", True
         files = manifest.get("files") if isinstance(manifest, dict) else None
         if not isinstance(files, dict) or not all(
             isinstance(e, dict) and "sha256" in e and "size" in e for e in files.values()
         ):
-            return None, f"{url}/{MANIFEST} lacks a valid 'files' table (corrupted)"
-        return CheckpointInfo(step=step, url=url, manifest=manifest), ""
+            return None, f"{url}/{MANIFEST} lacks a valid 'files' table (corrupted)", True
+        return CheckpointInfo(step=step, url=url, manifest=manifest), "", True
 
     def read_verified(self, info: CheckpointInfo) -> dict[str, bytes]:
-        """Read every file of a checkpoint and check size and sha256; raise CheckpointError on mismatch."""
+        """Read every file of a checkpoint and check size and sha256. CheckpointError when it does not
+        verify (a file missing, torn or corrupt, a name outside the folder); StorageError when a read
+        failed after its retries (nothing is known about the checkpoint then)."""
         out = {}
         for name, entry in info.manifest["files"].items():
             try:
-                data = self.storage.read_bytes(f"{step_dir(info.step)}/{name}")
+                rel = check_relative(f"{step_dir(info.step)}/{name}")
+            except StorageError as exc:
+                raise CheckpointError(f"{info.url}/{MANIFEST} names {name!r}: {exc}") from None
+            try:
+                data = self.storage.read_bytes(rel)
             except FileNotFoundError:
                 raise CheckpointError(f"{info.url}/{name} is missing") from None
             if len(data) != int(entry["size"]) or hashlib.sha256(data).hexdigest() != entry["sha256"]:
                 raise CheckpointError(f"{info.url}/{name} fails its checksum (torn or corrupted)")
             out[name] = data
+        self._trusted[info.step] = _signature(info)
         return out
 
     def load_latest(self, max_step: int | None = None) -> LoadedCheckpoint | None:
         """Load the highest verified checkpoint (at most ``max_step``), skipping and reporting bad ones.
 
-        Every newer step folder passed over is reported with its reason, in ``skipped`` of the result and
-        in ``self.last_skipped`` (also when nothing loadable is left and None is returned).
+        Only a checkpoint that is not committed (no manifest), or committed and fails verification, is
+        passed over; each is reported with its reason, in ``skipped`` of the result and in
+        ``self.last_skipped`` (also when nothing is left and None is returned). None means no checkpoint
+        verifies. A read that fails after its retries, or a verified state the safe loader refuses, raises
+        :class:`CheckpointUnreadableError`: an outage is never taken for "no checkpoint".
         """
         skipped: list[tuple[int, str]] = []
         self.last_skipped = skipped
-        for step in reversed(self.steps_on_storage()):
+        where = self.storage.url(CKPT_DIR)
+        try:
+            steps = self.steps_on_storage()
+        except StorageError as exc:
+            raise CheckpointUnreadableError(f"cannot list the checkpoints under {where}: {exc}") from None
+        for step in reversed(steps):
             if max_step is not None and step > max_step:
                 continue
-            info, why = self.read_manifest(step)
-            if info is None:
-                skipped.append((step, why))
-                continue
             try:
+                info, why = self.read_manifest(step)
+                if info is None:
+                    skipped.append((step, why))
+                    continue
                 raw = self.read_verified(info)
-                files = {name: deserialize(data) for name, data in raw.items()}
-            except (CheckpointError, StorageError) as exc:
-                skipped.append((info.step, str(exc)))
+            except CheckpointError as exc:
+                skipped.append((step, str(exc)))
                 continue
-            except Exception as exc:  # an unpickling refusal (weights_only) or a truncated stream
-                skipped.append(
-                    (info.step, f"{info.url} cannot be loaded safely: {type(exc).__name__}: {exc}")
-                )
-                continue
-            return LoadedCheckpoint(info=info, files=files, skipped=skipped)
+            except StorageError as exc:
+                raise CheckpointUnreadableError(
+                    f"cannot read the checkpoint at {self.storage.url(step_dir(step))}: {exc}; nothing is "
+                    "resumed from an older checkpoint or from step 0 while storage does not answer"
+                ) from None
+            return LoadedCheckpoint(info=info, files=load_files(info, raw), skipped=skipped)
         return None
 
     def load_step(self, step: int) -> dict[str, Any]:
@@ -194,47 +241,207 @@ class CheckpointStore:
             )
         return {name: deserialize(data) for name, data in self.read_verified(info).items()}
 
-    def retain(self, keep_last: int, keep_best: bool = False, keep_every: int = 0) -> builtins.list[int]:
-        """Delete all but the newest ``keep_last`` committed checkpoints (manifest first, then files), and,
-        with ``keep_best``, the best-scored one (:func:`best_of`), and every one whose step is a multiple of
-        ``keep_every`` (when positive).
+    def verifies(self, info: CheckpointInfo) -> str | None:
+        """None when the checkpoint verifies (read back now, or written or verified by this object
+        before); else why not. StorageError when it cannot be read."""
+        if self._trusted.get(info.step) == _signature(info):
+            return None
+        try:
+            self.read_verified(info)
+        except CheckpointError as exc:
+            return str(exc)
+        return None
 
-        Uncommitted step folders older than the newest committed one are leftovers of torn writes and go
-        too. Returns the deleted steps.
+    def retain(self, keep_last: int, keep_best: bool = False, keep_every: int = 0) -> builtins.list[int]:
+        """Keep the newest ``keep_last`` VERIFIED checkpoints, with ``keep_best`` the best-scored verified
+        one (:func:`best_of`), and every one whose step is a multiple of ``keep_every`` (when positive);
+        delete the other committed ones below the newest kept (manifest first, then files).
+
+        Checked from the newest down until ``keep_last`` verify: one that fails is moved to
+        ``checkpoints/quarantine/`` (reported in ``self.last_quarantined``), never deleted and never left
+        to shadow the older ones. The checkpoints beyond those are deleted without being read. Step
+        folders without a manifest older than the newest kept one are leftovers of torn writes and go too;
+        newer ones may be in flight and stay. Returns the deleted steps. StorageError when storage fails:
+        then nothing more is deleted.
         """
+        self.last_quarantined = []
         infos = self.list()
-        committed = [i.step for i in infos]
-        if not committed:
+        kept: builtins.list[CheckpointInfo] = []
+        for info in reversed(infos):
+            if len(kept) >= max(1, keep_last):
+                break
+            if self._verified_or_quarantined(info):
+                kept.append(info)
+        if not kept:
             return []
-        keep = set(committed[-max(1, keep_last) :])
-        best = best_of(infos) if keep_best else None
-        if best is not None:
-            keep.add(best.step)
+        keep = {i.step for i in kept}
+        if keep_best:
+            best = self._best_verified(infos)
+            if best is not None:
+                keep.add(best.step)
         if keep_every > 0:
-            keep.update(s for s in committed if s > 0 and s % keep_every == 0)
-        newest = committed[-1]
+            keep.update(i.step for i in infos if i.step > 0 and i.step % keep_every == 0)
+        newest = kept[0].step
+        quarantined = {s for s, _ in self.last_quarantined}
         deleted = []
         for step in self.steps_on_storage():
-            if step in keep or step > newest:
+            if step in keep or step in quarantined:
                 continue
-            self._delete(step)
-            deleted.append(step)
+            found, why, present = self._manifest(step)
+            if found is None and present:  # a corrupt manifest (never in flight: it is written atomically)
+                self._quarantine(step, why)
+            elif step < newest:
+                self._delete(step)
+                deleted.append(step)
         return deleted
+
+    def _verified_or_quarantined(self, info: CheckpointInfo) -> bool:
+        why = self.verifies(info)
+        if why is None:
+            return True
+        self._quarantine(info.step, why)
+        return False
+
+    def _best_verified(self, infos: builtins.list[CheckpointInfo]) -> CheckpointInfo | None:
+        candidates = builtins.list(infos)
+        while (best := best_of(candidates)) is not None:
+            if self._verified_or_quarantined(best):
+                return best
+            candidates.remove(best)
+        return None
+
+    def _quarantine(self, step: int, why: str) -> None:
+        """Move a checkpoint that failed verification to ``checkpoints/quarantine/step_N/`` (a new name when
+        that is taken): out of every reader's way, kept for whoever investigates."""
+        name = step_dir(step).rsplit("/", 1)[1]
+        dst = f"{QUARANTINE}/{name}"
+        n = 1
+        while self.storage.exists(dst):
+            n += 1
+            dst = f"{QUARANTINE}/{name}.{n}"
+        logger.warning("checkpoint at step %d fails verification, moved to %s: %s", step, dst, why)
+        self.storage.move(step_dir(step), dst, last=MANIFEST)
+        self._trusted.pop(step, None)
+        self.last_quarantined.append((step, why))
 
     def _delete(self, step: int) -> None:
         d = step_dir(step)
         self.storage.rm(f"{d}/{MANIFEST}")  # first: a reader never sees a manifest without its files
         self.storage.rm(d, recursive=True)
+        self._trusted.pop(step, None)
 
-    def discard_after(self, step: int) -> builtins.list[int]:
-        """Delete every checkpoint newer than ``step`` (manifest first, then files): after a rollback they
-        belong to a path the run no longer takes. Returns the deleted steps."""
-        deleted = []
-        for newer in self.steps_on_storage():
-            if newer > step:
-                self._delete(newer)
-                deleted.append(newer)
-        return deleted
+    def discard_after(self, step: int, keep_best: bool = True, keep_every: int = 0) -> builtins.list[int]:
+        """Take every checkpoint newer than ``step`` off the run's path: after a rollback or a rewind they
+        belong to a path the run no longer takes, and no later recovery may resume from them. Nothing at
+        or before ``step`` is touched (so the newest verified checkpoint there stays).
+
+        The best-scored one (``keep_best``) and the milestones (steps that are multiples of a positive
+        ``keep_every``) among them are moved to ``checkpoints/discarded/`` (``self.last_set_aside``)
+        instead of being deleted, unless ``keep_best=False`` / ``keep_every=0``; the others are deleted,
+        newest first (manifest first, then files), so a crash part way leaves a run as if discarded after
+        a later step. Returns every step taken off the path, ascending.
+        """
+        newer = [s for s in self.steps_on_storage() if s > step]
+        infos = [i for i in self.list() if i.step > step] if newer else []
+        best = best_of(self.list()) if keep_best and infos else None
+        aside = {i.step for i in infos if keep_every > 0 and i.step % keep_every == 0}
+        if best is not None and best.step > step:
+            aside.add(best.step)
+        self.last_set_aside = []
+        for s in reversed(newer):
+            if s in aside:
+                self._set_aside(s)
+            else:
+                self._delete(s)
+        return newer
+
+    def _set_aside(self, step: int) -> None:
+        name = step_dir(step).rsplit("/", 1)[1]
+        dst, n = f"{DISCARDED}/{name}", 1
+        while self.storage.exists(dst):
+            n += 1
+            dst = f"{DISCARDED}/{name}.{n}"
+        self.storage.move(step_dir(step), dst, last=MANIFEST)
+        self._trusted.pop(step, None)
+        self.last_set_aside.append(step)
+
+
+def _signature(info: CheckpointInfo) -> str:
+    """What identifies a checkpoint's content: its manifest's checksums."""
+    return json.dumps(info.manifest.get("files"), sort_keys=True)
+
+
+def load_files(info: CheckpointInfo, raw: dict[str, bytes]) -> dict[str, Any]:
+    """Deserialize a verified checkpoint's files; CheckpointUnreadableError naming the file when the safe
+    loader refuses one (its checksum matched, so it is what was written: skipping it would hide that)."""
+    out = {}
+    for name, data in raw.items():
+        try:
+            out[name] = deserialize(data)
+        except Exception as exc:  # an unpickling refusal (weights_only) or a stream torch cannot parse
+            raise CheckpointUnreadableError(
+                f"{info.url}/{name} verifies but cannot be loaded safely ({_loader_reason(exc)}): it is what "
+                "was written, so no older checkpoint is taken in its place; move it aside (or rewind past "
+                "it) to resume from an older one"
+            ) from None
+    return out
+
+
+def _loader_reason(exc: Exception) -> str:
+    """The line of torch's refusal that names the type (its message is a page of advice)."""
+    text = str(exc)
+    for line in text.splitlines():
+        if "WeightsUnpickler error:" in line:
+            return line.strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def check_loadable(obj: Any, where: str = "state") -> None:
+    """Raise CheckpointError unless ``obj`` loads back through the safe loader exactly as the store loads
+    it (``torch.load(weights_only=True)``); the message names the first offending value's type and where
+    it sits (``train_state.pt['optimizer']['param_groups'][0]['lr'] is a numpy.float64``). A state that
+    cannot be loaded is never written: a run could not resume from it."""
+    try:
+        deserialize(serialize(obj))
+    except Exception as exc:
+        spot = _first_unloadable(obj, where)
+        what = (
+            f"{spot[0]} is a {spot[1]}"
+            if spot is not None
+            else f"{where} does not load back ({type(exc).__name__}: {exc})"
+        )
+        raise CheckpointError(
+            f"{what}: torch.load(weights_only=True) refuses it, so no run could resume from this state. "
+            "Store plain values instead (float(x), int(x), x.item(), torch.tensor(x)), e.g. in the "
+            "optimizer's param groups or the scheduler's state"
+        ) from None
+
+
+_PLAIN = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _first_unloadable(obj: Any, where: str) -> tuple[str, str] | None:
+    """(where it sits, its type) of the first value in ``obj`` the safe loader refuses."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            found = _first_unloadable(value, f"{where}[{key!r}]")
+            if found is not None:
+                return found
+        return None
+    if isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            found = _first_unloadable(value, f"{where}[{i}]")
+            if found is not None:
+                return found
+        return None
+    if type(obj) in _PLAIN or isinstance(obj, torch.Tensor):
+        return None
+    try:
+        deserialize(serialize(obj))
+    except Exception:
+        kind = type(obj)
+        return where, f"{kind.__module__}.{kind.__qualname__}"
+    return None
 
 
 def nonfinite(state: Any) -> str | None:
@@ -342,6 +549,9 @@ class CommitRecord:
     stall_s: float
     write_s: float
     error: str | None = None
+    quarantined: list[tuple[int, str]] = field(default_factory=list)
+    """(step, reason) of older checkpoints that failed verification when retention checked them, moved
+    to ``checkpoints/quarantine/`` (also when this commit itself failed later, in retention)."""
 
 
 class CheckpointWriter:
@@ -376,6 +586,7 @@ class CheckpointWriter:
         self._lock = threading.Lock()
         self._abandon = False
         self._pool = HostBuffers()
+        self._model_checked = False
 
     def save(self, step: int, epoch: int, meta: dict[str, Any], files: dict[str, Any]) -> float:
         """Checkpoint ``files`` (name -> object) at ``step``; return the seconds training was blocked."""
@@ -405,11 +616,15 @@ class CheckpointWriter:
                     "the checkpoints before it are kept"
                 )
             blobs = {name: serialize(obj) for name, obj in host.items()}
+            self._check_loadable(host, blobs)
             if self._abandon:
                 return
             info = self.store.commit(step, blobs, {**meta, "epoch": epoch})
             record.url, record.bytes = info.url, info.total_bytes
-            self.store.retain(self.keep_last, self.keep_best, self.keep_every)
+            try:
+                self.store.retain(self.keep_last, self.keep_best, self.keep_every)
+            finally:
+                record.quarantined = list(self.store.last_quarantined)
         except Exception as exc:
             record.error = f"{type(exc).__name__}: {exc}"
         record.write_s = time.perf_counter() - t0
@@ -417,6 +632,20 @@ class CheckpointWriter:
             self.records.append(record)
         if self.on_commit is not None:
             self.on_commit(record)
+
+    def _check_loadable(self, host: dict[str, Any], blobs: dict[str, bytes]) -> None:
+        """Load each blob back through the safe loader before anything is written (CheckpointError naming
+        the offending value when it is refused). The model's weights only at the first checkpoint (their
+        types do not change); the small files every time (a scheduler may put a new type there)."""
+        for name, blob in blobs.items():
+            if name == "model.pt" and self._model_checked:
+                continue
+            try:
+                deserialize(blob)
+            except Exception:
+                check_loadable(host[name], name)  # names where the refused value sits
+                raise
+        self._model_checked = True
 
     def wait(self) -> None:
         if self._thread is not None:

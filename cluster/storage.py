@@ -336,11 +336,13 @@ class Storage:
         )
         order = sorted(names, key=lambda n: n == last)  # ``last`` copied last, deleted first
         for name in order:
-            s, d = f"{src}/{name}", f"{dst}/{name}"
-            self.retry(f"copying {self.url(s)}", lambda s=s, d=d: self.fs.copy(self._p(s), self._p(d)))
+            self._copy(f"{src}/{name}", f"{dst}/{name}")
         for name in reversed(order):
             self.rm(f"{src}/{name}")
         self.rm(src, recursive=True)
+
+    def _copy(self, src: str, dst: str) -> None:
+        self.retry(f"copying {self.url(src)}", lambda: self.fs.copy(self._p(src), self._p(dst)))
 
     def read_bytes(self, rel: str) -> bytes:
         data: bytes = self.retry(f"reading {self.url(rel)}", lambda: self.fs.cat_file(self._p(rel)))

@@ -7,13 +7,24 @@ import json
 import os
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
-from cluster.checkpoint import MANIFEST, CheckpointStore, CheckpointWriter, serialize, snapshot, step_dir
+from cluster.checkpoint import (
+    MANIFEST,
+    CheckpointStore,
+    CheckpointUnreadableError,
+    CheckpointWriter,
+    check_loadable,
+    serialize,
+    snapshot,
+    step_dir,
+)
+from cluster.errors import CheckpointError
 from cluster.storage import Storage
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 def make_store(tmp_path: Any) -> CheckpointStore:
@@ -116,7 +127,7 @@ class Exploit:
         return (open, (self.marker, "w"))
 
 
-def test_malicious_pickle_with_valid_checksum_is_refused_and_skipped(tmp_path: Any) -> None:
+def test_malicious_pickle_with_valid_checksum_is_refused_and_raises(tmp_path: Any) -> None:
     marker = f"{tmp_path}/pwned"
     evil = serialize({"w": torch.zeros(3), "payload": Exploit(marker)})
     # control: the payload is real (a full unpickler runs it)
@@ -131,10 +142,13 @@ def test_malicious_pickle_with_valid_checksum_is_refused_and_skipped(tmp_path: A
     store.commit(20, {"model.pt": evil, "train_state.pt": serialize({"step": 20})}, {"epoch": 0})
     assert [i.step for i in store.list()] == [10, 20]  # committed with a matching checksum
     store.read_verified(store.list()[-1])  # and it verifies
-    loaded = store.load_latest()
-    assert loaded is not None and loaded.info.step == 10
-    assert loaded.skipped[0][0] == 20 and "cannot be loaded safely" in loaded.skipped[0][1]
-    assert "weights_only" in loaded.skipped[0][1] or "Unsupported global" in loaded.skipped[0][1]
+    # it is what was written: taking step 10 in its place would silently drop 10 steps of training
+    with pytest.raises(
+        CheckpointUnreadableError,
+        match=r"step_000000020/model.pt verifies but cannot be loaded "
+        r"safely \(WeightsUnpickler error: Unsupported global",
+    ):
+        store.load_latest()
     with pytest.raises(Exception, match=r"Unsupported global|weights_only"):
         store.load_step(20)
     assert not os.path.exists(marker)
@@ -182,3 +196,79 @@ def test_async_writer_commits_what_was_saved_not_what_followed(tmp_path: Any) ->
     writer.close()
     for step in (1, 2, 3):
         assert torch.equal(store.load_step(step)["model.pt"]["w"], torch.full((100_000,), float(step)))
+
+
+def numpy_lr_state() -> dict[str, Any]:
+    """An optimizer whose learning rate a schedule set to a numpy scalar: the safe loader refuses it."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    opt.param_groups[0]["lr"] = np.float64(0.05)
+    return {"optimizer": opt.state_dict(), "step": 3}
+
+
+def test_check_loadable_names_the_refused_value_and_where_it_sits() -> None:
+    check_loadable({"optimizer": {"lr": 0.1}, "w": torch.ones(2), "shape": torch.Size([2])}, "x")
+    with pytest.raises(
+        CheckpointError,
+        match=r"^train_state.pt\['optimizer'\]\['param_groups'\]\[0\]\['lr'\] is a numpy.float64: "
+        r"torch.load\(weights_only=True\) refuses it",
+    ):
+        check_loadable(numpy_lr_state(), where="train_state.pt")
+
+
+def test_a_state_that_cannot_be_loaded_is_never_written(tmp_path: Any) -> None:
+    """Issue 31: the writer committed a state that no resume could load back."""
+    store = make_store(tmp_path)
+    writer = CheckpointWriter(store, keep_last=1, async_save=False)
+    writer.save(5, 0, {}, {"model.pt": {"w": torch.ones(2)}, "train_state.pt": {"step": 5}})
+    writer.save(10, 0, {}, {"model.pt": {"w": torch.ones(2)}, "train_state.pt": numpy_lr_state()})
+    ok, refused = writer.drain()
+    assert ok.error is None
+    assert refused.error is not None and "['param_groups'][0]['lr'] is a numpy.float64" in refused.error
+    assert "train_state.pt" in refused.error
+    assert store.steps_on_storage() == [5]  # nothing of step 10 was written, and step 5 was kept
+    loaded = store.load_latest()
+    assert loaded is not None and loaded.info.step == 5
+
+
+def test_commit_record_reports_what_retention_quarantined(tmp_path: Any) -> None:
+    store = make_store(tmp_path)
+    for step in (10, 30):
+        commit(store, step)
+    flip_bytes(path(tmp_path, 30, "model.pt"))
+    writer = CheckpointWriter(CheckpointStore(store.storage), keep_last=1, async_save=False)
+    writer.save(20, 0, {}, {"model.pt": {"w": torch.ones(2)}, "train_state.pt": {"step": 20}})
+    (record,) = writer.drain()
+    assert record.error is None
+    assert [s for s, _ in record.quarantined] == [30] and "fails its checksum" in record.quarantined[0][1]
+    assert [i.step for i in store.list()] == [20]
+
+
+def test_local_writes_are_fsynced_file_then_folder_before_the_rename(tmp_path: Any) -> None:
+    """Issue 31: a manifest published by rename before its data (and the folder entries) reached the disk
+    could name files a power cut loses. Watched through the OS calls themselves (os.fsync/os.rename)."""
+    store = make_store(tmp_path)
+    calls: list[tuple[str, str]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd: int) -> None:
+        calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def rename(a: str, b: str, **kw: Any) -> None:
+        calls.append(("rename", str(b)))
+        real_rename(a, b, **kw)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(os, "fsync", fsync)
+    mp.setattr(os, "rename", rename)
+    try:
+        commit(store, 10)
+    finally:
+        mp.undo()
+    folder = f"{tmp_path}/run/{step_dir(10)}"
+    published = calls.index(("rename", f"{folder}/{MANIFEST}"))
+    before = calls[:published]
+    assert ("fsync", f"{folder}/model.pt") in before and ("fsync", f"{folder}/train_state.pt") in before
+    assert any(c[0] == "fsync" and f"{MANIFEST}.tmp-" in c[1] for c in before)
+    assert before[-1] == ("fsync", folder)  # the folder's entries, last before the rename
+    assert ("fsync", folder) in calls[published + 1 :]  # and the rename itself

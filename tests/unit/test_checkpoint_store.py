@@ -7,7 +7,17 @@ import uuid
 import pytest
 import torch
 
-from cluster.checkpoint import CheckpointStore, CheckpointWriter, serialize, step_dir
+from cluster.checkpoint import (
+    DISCARDED,
+    MANIFEST,
+    QUARANTINE,
+    CheckpointStore,
+    CheckpointUnreadableError,
+    CheckpointWriter,
+    serialize,
+    step_dir,
+)
+from cluster.errors import StorageError
 from cluster.storage import Storage
 
 pytestmark = pytest.mark.timeout(60)
@@ -200,3 +210,82 @@ def test_keep_every_keeps_the_milestones_besides_the_newest(store: CheckpointSto
     deleted = store.retain(keep_last=2, keep_every=20)
     assert [i.step for i in store.list()] == [20, 35, 40]  # 40 is both; step 0 is no milestone
     assert deleted == [0, 5, 10, 15, 25, 30]
+
+
+def test_retention_counts_only_verified_and_quarantines_a_corrupt_newest(store: CheckpointStore) -> None:
+    """Issue 31: the newest checkpoint rots, the run resumes from the one before and commits again; retention
+    used to count the rotten one and delete every checkpoint that verified."""
+    for step in (50, 100):
+        commit(store, step)
+    store.storage.write_bytes(f"{step_dir(100)}/model.pt", b"bitrot")
+    commit(store, 60)  # the run resumed from 50 and trained on
+    assert store.retain(keep_last=1) == [50]
+    assert store.last_quarantined and store.last_quarantined[0][0] == 100
+    assert "fails its checksum" in store.last_quarantined[0][1]
+    latest = store.load_latest()
+    assert latest is not None and latest.info.step == 60 and latest.skipped == []
+    assert store.steps_on_storage() == [60]
+    # moved aside, not deleted: the evidence is kept, out of every reader's way
+    assert store.storage.read_bytes(f"{QUARANTINE}/step_000000100/model.pt") == b"bitrot"
+    assert store.storage.exists(f"{QUARANTINE}/step_000000100/{MANIFEST}")
+
+
+def test_retention_keeps_keep_last_verified_ones_past_corrupt_ones(store: CheckpointStore) -> None:
+    for step in (10, 20, 30, 40):
+        commit(store, step)
+    fresh = CheckpointStore(store.storage)  # a new process: nothing trusted, every kept one read back
+    store.storage.write_bytes(f"{step_dir(30)}/model.pt", b"rot")
+    store.storage.write_bytes(f"{step_dir(40)}/{MANIFEST}", b"{not json")
+    assert fresh.retain(keep_last=2) == []  # 20 and 10 are the two newest that verify
+    assert sorted(s for s, _ in fresh.last_quarantined) == [30, 40]
+    assert [i.step for i in fresh.list()] == [10, 20]
+    assert fresh.storage.listdir(QUARANTINE) == ["step_000000030", "step_000000040"]
+
+
+def test_retention_keeps_the_best_that_verifies(store: CheckpointStore) -> None:
+    for step, value in [(5, 0.1), (10, 0.2), (15, 0.9), (20, 0.8)]:
+        scored(store, step, value)
+    fresh = CheckpointStore(store.storage)
+    store.storage.write_bytes(f"{step_dir(5)}/model.pt", b"rot")  # the best rotted: the next best is kept
+    assert fresh.retain(keep_last=1, keep_best=True) == [15]
+    assert [i.step for i in fresh.list()] == [10, 20] and fresh.last_quarantined[0][0] == 5
+
+
+def test_a_quarantined_step_is_never_overwritten(store: CheckpointStore) -> None:
+    for _ in range(2):
+        commit(store, 10)
+        commit(store, 20)
+        store.storage.write_bytes(f"{step_dir(20)}/model.pt", b"rot")
+        commit(store, 15)
+        store.retain(keep_last=1)
+    assert store.storage.listdir(QUARANTINE) == ["step_000000020", "step_000000020.2"]
+
+
+def test_a_read_outage_is_never_taken_for_no_checkpoint(store: CheckpointStore) -> None:
+    """Issue 31: a read that fails after its retries used to make load_latest return None (a fresh start)."""
+    commit(store, 50)
+    store.read_verified = _outage  # type: ignore[method-assign]
+    with pytest.raises(
+        CheckpointUnreadableError, match=r"cannot read the checkpoint at .*step_000000050: outage"
+    ):
+        store.load_latest()
+    assert isinstance(CheckpointUnreadableError("x"), StorageError)
+
+
+def _outage(info: object) -> dict[str, bytes]:
+    raise StorageError("outage")
+
+
+def test_discard_after_sets_aside_the_best_and_milestones_newer_than_the_point(
+    store: CheckpointStore,
+) -> None:
+    for step, value in [(10, 0.5), (20, 0.1), (30, 0.4), (40, 0.3), (50, None)]:
+        scored(store, step, value)
+    assert store.discard_after(10, keep_every=40) == [20, 30, 40, 50]
+    assert sorted(store.last_set_aside) == [20, 40]  # the best (0.1) and the milestone
+    assert store.steps_on_storage() == [10]
+    assert store.storage.listdir(DISCARDED) == ["step_000000020", "step_000000040"]
+    latest = store.load_latest()
+    assert latest is not None and latest.info.step == 10  # neither shadows the rollback point
+    scored(store, 20, 0.2)
+    assert store.discard_after(10, keep_best=False) == [20] and store.steps_on_storage() == [10]
