@@ -19,10 +19,8 @@ the same world size.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import math
 import os
 import socket
 import threading
@@ -42,11 +40,11 @@ from cluster import ddp
 from cluster import dist as cdist
 from cluster import stacks as stack_dump
 from cluster import worker_recovery as recovery
-from cluster.checkpoint import CheckpointStore, CheckpointWriter, CommitRecord
+from cluster.checkpoint import CheckpointStore, CommitRecord
 from cluster.config import JobConfig
-from cluster.data import EvalLoader, InputPipeline, ResumableDistributedSampler
+from cluster.data import InputPipeline, ResumableDistributedSampler
 from cluster.errors import ConfigError, DivergedError, WorkerError
-from cluster.evaluate import EvalResult, eval_batch_count, evaluate
+from cluster.evaluate import eval_batch_count
 from cluster.faults import Faults
 from cluster.group import EpochResult, Heartbeat, SetupInfo
 from cluster.pace import StepPace
@@ -55,32 +53,14 @@ from cluster.process import set_niceness, tune_process
 from cluster.profiling import ProfileRequest, StepProfiler
 from cluster.schedule import HOLD_STEPS as HOLD_STEPS  # cluster.worker_group imports it from here
 from cluster.schedule import Schedule, StopRequest, Window, merge_windows, skip_windows
+from cluster.session import TrainSession, build_model, join_group, sampler_for, writer_for
+from cluster.step import Divergence, peak_memory_gib, seed_step, step_seed, train_step
 from cluster.storage import PROBE_ENV, Storage, check_probe
-from cluster.task import StepInfo, Task, build_task, extra_metrics
+from cluster.task import StepInfo, Task, build_task
 from cluster.train_state import RunPosition, Scheduler, capture, checkpoint_files
+from cluster.worker_eval import Evaluations
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainSession:
-    """What ``setup`` builds for one process group; ``reset`` drops it whole, the next ``setup`` rebuilds
-    it."""
-
-    device: torch.device
-    backend: str
-    model: DDP
-    raw_model: nn.Module
-    """The unwrapped model: what a checkpoint's ``model.pt`` holds."""
-    optimizer: torch.optim.Optimizer
-    scheduler: Scheduler | None
-    sampler: ResumableDistributedSampler
-    store: CheckpointStore
-    writer: CheckpointWriter | None
-    """Rank 0's checkpoint writer; None on the other ranks."""
-    info: SetupInfo
-    schedule: Schedule
-    """When to evaluate, checkpoint and log, at this session's epoch length."""
 
 
 @dataclass
@@ -102,22 +82,6 @@ class _EpochTally:
         self.loss_sum += loss
         for k, v in metrics.items():
             self.metric_sums[k] = self.metric_sums.get(k, 0.0) + v
-
-
-def _peak_memory_gib(device: torch.device) -> float:
-    """Rank 0's peak memory for its step rows, in GiB: on a GPU the caching allocator's peak since the
-    previous row (then reset: no device sync either way), on CPU the process's peak resident set."""
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return peak / 2**30
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # Linux: KiB
-
-
-def _step_seed(seed: int, step: int, rank: int) -> int:
-    return (seed * 1_000_003 + step * 7_919 + rank * 104_729) % (2**63 - 1)
 
 
 class Worker:
@@ -147,19 +111,17 @@ class Worker:
         self._kept: TrainSession | None = None  # a survivor's session after its group failed (peer recovery)
         self._task: Task | None = None
         self._dataset: Any = None
-        self._eval_dataset: Any = None
         self._task_lock = threading.Lock()  # a hot spare's setup can begin while ``prepare`` builds the task
         self._inputs: InputPipeline | None = None
         self._stop = StopRequest()
         self._last_checkpoint = -1  # the newest checkpoint's step this process wrote or resumed from
-        self._last_eval: tuple[int, dict[str, float]] | None = None  # (step, loss and metrics)
-        self._eval_batches = 0
+        self._evals = Evaluations(cfg)
         self._train_ident: int | None = None
-        self._grad_norm: torch.Tensor | None = None  # the last step's, when it was taken (``_train_step``)
+        self._grad_norm: torch.Tensor | None = (
+            None  # the last step's, when it was taken (``cluster.step.train_step``)
+        )
         self._profiler: StepProfiler | None = None  # made by the first ``profile`` request
-        self._eval_loader: EvalLoader | None = None  # the eval set's loader processes, once started
-        self._best_at: int | None = None  # the step of an evaluation that became the best: checkpoint it
-        self._first_bad: torch.Tensor | None = None  # on the device: the first step with a non-finite loss
+        self._divergence = Divergence(cfg.failures)
         self.gpu_index = 0  # this rank's GPU among the visible ones (``use_gpus``)
         self.faults = Faults(cfg, rank, attempt)
         self._pace = StepPace()
@@ -172,7 +134,7 @@ class Worker:
             if self._task is None:
                 task = build_task(self.cfg.task, self.cfg.task_args, self.task_cls)
                 self._dataset = task.build_train_dataset()
-                self._eval_dataset = _checked_eval_set(task.build_eval_dataset(), self.cfg.task)
+                self._evals.dataset = _checked_eval_set(task.build_eval_dataset(), self.cfg.task)
                 self._task = task
             return self._task
 
@@ -238,7 +200,7 @@ class Worker:
         cfg = self.cfg
         runs = merge_windows([*skip_windows(cfg.training.skip_steps), *(skips or [])])
         self.pos = dataclasses.replace(self.pos, skips=runs)
-        self._first_bad = None  # a non-finite loss of an earlier group's path is not this one's
+        self._divergence.reset()  # a non-finite loss of an earlier group's path is not this one's
         kept, self._kept = self._kept, None
         if peers is None and kept is not None:
             recovery.discard(kept)  # the driver chose the checkpoint: the survivor's state is not used
@@ -246,24 +208,19 @@ class Worker:
         if os.environ.get(PROBE_ENV):  # set by the driver: prove this node sees the driver's storage
             check_probe(Storage(self.run_url, cfg.storage.options), os.environ[PROBE_ENV])
         device = cdist.pick_device(cfg.scaling.use_gpu, self.gpu_index)
-        backend = self._join_group(host, port, device, t)
-        raw_model = self._build_model(kept, device)
+        backend = join_group(self._store, host, port, self.rank, self.world_size, device, cfg, t)
+        task = self.task  # a warm restart keeps it and its datasets
+        has_eval = self._evals.dataset is not None
+        raw_model = build_model(task, cfg, has_eval, device, kept.raw_model if kept is not None else None)
+        self.inputs.open(device)  # loader processes start (once per process) while setup goes on
         t["task"] = time.time()
-        sampler = ResumableDistributedSampler(
-            len(self.dataset),
-            cfg.training.global_batch_size,
-            self.rank,
-            self.world_size,
-            seed=cfg.training.seed,
-            max_steps_per_epoch=cfg.training.max_steps_per_epoch,
-            permutation=getattr(self.dataset, "permutation", None),  # e.g. ParquetDataset's windowed order
-        )
+        sampler = sampler_for(self.dataset, self.rank, self.world_size, cfg)
         store = self.faults.store(Storage(self.run_url, cfg.storage.options))
         model, optimizer, scheduler, resume, skipped = self._take_state(
             kept, peers, rollback, raw_model, device, sampler, store, t
         )
         sampler.order = self.pos.sampler_order  # the resumed run's (a new run's when nothing was resumed)
-        writer = self._writer(kept, store)
+        writer = writer_for(self.rank, kept.writer if kept is not None else None, store, cfg)
         # DDP's buffer broadcast at each forward is a wait for the others inside the step: left out of the
         # rank's own part. (Not under training.compile: hooks would be traced into the compiled forward.)
         syncing = any(True for _ in raw_model.buffers()) and not cfg.training.compile
@@ -285,7 +242,7 @@ class Worker:
             niceness=set_niceness(cfg.scaling.worker_niceness),  # again: the group made its threads
             storage_reads=store.storage.reads,
             storage_read_bytes=store.storage.bytes_read,
-            eval_batches=eval_batch_count(self._eval_dataset, cfg),
+            eval_batches=eval_batch_count(self._evals.dataset, cfg),
         )
         self.session = TrainSession(
             device,
@@ -301,45 +258,6 @@ class Worker:
             Schedule(cfg, sampler.steps_per_epoch),
         )
         return self.session
-
-    def _join_group(self, host: str, port: int, device: torch.device, t: dict[str, float]) -> str:
-        """Join the process group through rank 0's store; returns the backend."""
-        cfg = self.cfg
-        store = self._store  # rank 0's own, or the connection ``connect`` made
-        if store is None:
-            store = cdist.connect_store(host, port, self.world_size, cfg.failures.process_group_timeout_s)
-        t["store"] = time.time()
-        backend = cdist.init_process_group(
-            store,
-            self.rank,
-            self.world_size,
-            device,
-            cfg.failures.process_group_timeout_s,
-            cfg.scaling.backend,
-        )
-        t["process_group"] = time.time()
-        return backend
-
-    def _build_model(self, kept: TrainSession | None, device: torch.device) -> nn.Module:
-        """The survivor's own model, or the task's, the same on every rank; the input pipeline opens."""
-        cfg = self.cfg
-        task = self.task  # a warm restart keeps it and its datasets
-        if cfg.checkpoint.best_metric is not None and self._eval_dataset is None:
-            raise ConfigError(
-                f"checkpoint.best_metric={cfg.checkpoint.best_metric!r} needs an eval set, but "
-                f"{cfg.task}.build_eval_dataset() returned None; give the task one, or set "
-                "checkpoint.best_metric=null"
-            )
-        if kept is not None:
-            raw_model = kept.raw_model
-        else:
-            torch.manual_seed(cfg.training.seed)  # the same init on every rank (DDP broadcasts rank 0's too)
-            raw_model = task.build_model()
-            if cfg.training.sync_batchnorm:
-                raw_model = nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
-            raw_model = raw_model.to(device)
-        self.inputs.open(device)  # loader processes start (once per process) while setup goes on
-        return raw_model
 
     def _take_state(
         self,
@@ -389,24 +307,6 @@ class Worker:
     ) -> tuple[torch.optim.Optimizer, Scheduler | None]:
         optimizer = ddp.build_optimizer(self.task, raw_model, self.cfg.training.zero)
         return optimizer, self.task.build_scheduler(optimizer, total_steps)
-
-    def _writer(self, kept: TrainSession | None, store: CheckpointStore) -> CheckpointWriter | None:
-        """Rank 0's checkpoint writer (a survivor's upload in flight carries on); None on other ranks."""
-        c = self.cfg.checkpoint
-        writer = kept.writer if kept is not None else None
-        if self.rank == 0 and writer is None:
-            writer = CheckpointWriter(
-                store,
-                c.keep_last,
-                c.async_save,
-                keep_best=c.best_metric is not None,
-                keep_every=c.keep_every_steps,
-                refuse_nonfinite=self.cfg.failures.stop_on_nan,
-            )
-        elif self.rank != 0 and writer is not None:
-            writer.close(flush=True)
-            writer = None
-        return writer
 
     def _session(self) -> TrainSession:
         if self.session is None:
@@ -472,7 +372,7 @@ class Worker:
         self._last_step_at = time.time()
         tally = _EpochTally(torch.zeros((), dtype=torch.float64, device=s.device))
         early = False  # early stopping (evaluation.patience): the run ends at this step
-        if evaluate_first and self._eval_dataset is not None:
+        if evaluate_first and self._evals.dataset is not None:
             self._evaluate(s)
             early = p.best.stop_due(p.global_step)
             self._maybe_checkpoint(s, early)
@@ -495,7 +395,7 @@ class Worker:
                 loss, metrics, dt, now = step
                 row = self._step_row(s, loss, metrics, dt, stall, now)
                 self._rows.append(row)
-                self._check_finite(row["loss"])
+                self._divergence.check(row["loss"], p.global_step)
             if early:
                 break
         return self._end_epoch(s, epoch, dispatch, tally, stopped, early)
@@ -509,18 +409,29 @@ class Worker:
         t0 = time.perf_counter()
         self._pace.begin()
         self.faults.before_step(p.global_step + 1, s.raw_model)
-        self._seed_step(s, _step_seed(self.cfg.training.seed, p.global_step, self.rank))
+        seed_step(s.device, step_seed(self.cfg.training.seed, p.global_step, self.rank))
         self.task.current = StepInfo(epoch, p.global_step + 1, self.rank, self.world_size, self.attempt)
         if self._profiler is not None:
             self._profiler.before_step(s.device)
-        loss, metrics = self._train_step(s, local_idx)
+        loss, metrics, self._grad_norm = train_step(
+            s,
+            self.task,
+            self.inputs,
+            self._pace,
+            self.cfg,
+            p,
+            self.world_size,
+            local_idx,
+            lambda loss: self.faults.loss(p.global_step + 1, loss),
+            want_norm=self.rank == 0 and s.schedule.log(p.global_step + 1),
+        )
         self.faults.after_step(p.global_step + 1)
         p.global_step += 1
         if self._profiler is not None:
             self._profiler.after_step(p.global_step)
         p.step_in_epoch += 1
         tally.add(loss, metrics, self.cfg.training.global_batch_size)
-        self._track_finite(loss)
+        self._divergence.track(loss, p.global_step)
         dt = time.perf_counter() - t0
         self._pace.end(dt)
         now = time.time()
@@ -534,7 +445,7 @@ class Worker:
         """Evaluate when the schedule says so after this step; whether early stopping
         (``evaluation.patience``) ends the run here."""
         p = self.pos
-        if self._eval_dataset is None or not s.schedule.evaluate(p.global_step):
+        if self._evals.dataset is None or not s.schedule.evaluate(p.global_step):
             return False
         self._evaluate(s)
         return p.best.stop_due(p.global_step)
@@ -543,7 +454,7 @@ class Worker:
         """Checkpoint this step when ``due`` or when its evaluation became the best, unless one of this
         step exists; rank 0's stall in seconds."""
         step = self.pos.global_step
-        if (due or self._best_at == step) and self._last_checkpoint != step:
+        if (due or self._evals.best_at == step) and self._last_checkpoint != step:
             return self._checkpoint(s)
         return 0.0
 
@@ -564,12 +475,10 @@ class Worker:
             totals = totals.to(s.device)
         dist.all_reduce(totals)
         mean_loss = float(totals[0]) / max(float(totals[1]), 1.0)
-        if not math.isfinite(mean_loss) and self._first_bad is not None:
-            # the same on every rank, so every rank takes part: the first non-finite step of any rank
-            first = torch.where(self._first_bad < 0, torch.iinfo(torch.int64).max, self._first_bad)
-            dist.all_reduce(first, op=dist.ReduceOp.MIN)
-            self._first_bad = first
-        self._check_finite(mean_loss, "the epoch's mean loss")  # the same on every rank: all stop
+        self._divergence.agree(mean_loss)
+        self._divergence.check(
+            mean_loss, p.global_step, "the epoch's mean loss"
+        )  # every rank alike: all stop
         steps = tally.steps
         return EpochResult(
             rank=self.rank,
@@ -600,87 +509,6 @@ class Worker:
                 s.scheduler.step()
         self._last_step_at = time.time()
 
-    def _track_finite(self, loss: torch.Tensor) -> None:
-        """Keep, on the device (no sync), the first step whose loss was not finite: read only when a log
-        step or the epoch's end finds one (``_check_finite``), to name where the divergence began."""
-        if not self.cfg.failures.stop_on_nan:
-            return
-        if self._first_bad is None:
-            self._first_bad = torch.full((), -1, dtype=torch.int64, device=loss.device)
-        new = torch.logical_and(self._first_bad < 0, torch.logical_not(torch.isfinite(loss)))
-        self._first_bad = torch.where(new, self.pos.global_step, self._first_bad)
-
-    def _check_finite(self, loss: float, what: str = "the loss") -> None:
-        """Stop a diverged run (``failures.stop_on_nan``): a NaN or infinite loss fails it at once, naming
-        the first step whose loss was not finite (``DivergedError.first_step``; the driver rolls back from
-        it with ``failures.nan_skip_steps``)."""
-        if math.isfinite(loss) or not self.cfg.failures.stop_on_nan:
-            return
-        step = self.pos.global_step
-        first = int(self._first_bad) if self._first_bad is not None else -1
-        first = first if 0 < first <= step else step
-        since = f" (the first loss not finite was step {first}'s)" if first != step else ""
-        if self.cfg.failures.nan_skip_steps:
-            fix = f"rolling back to skip the {self.cfg.failures.nan_skip_steps} steps ending at step {first}"
-        else:
-            fix = (
-                "Checkpoints of weights that are not finite are never committed, so a resubmission resumes "
-                "from the newest good one; an exact resume would diverge here again, so first lower the "
-                "learning rate, set training.grad_clip, skip the batches (training.skip_steps, or "
-                "failures.nan_skip_steps to roll back by itself) or look at the data of the steps before it "
-                "(failures.stop_on_nan=false trains on regardless)"
-            )
-        raise DivergedError(f"{what} is {loss} at step {step}{since}. {fix}", first_step=first)
-
-    def _seed_step(self, s: TrainSession, seed: int) -> None:
-        # The generators this rank uses, directly: torch.manual_seed also walks every backend.
-        torch.default_generator.manual_seed(seed)
-        if s.device.type == "cuda":
-            torch.cuda.manual_seed(seed)
-
-    def _train_step(self, s: TrainSession, local_idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-        """One optimizer step over this rank's share of the global batch. Returns the detached mean loss and
-        the mean of each extra metric ``compute_loss`` returned, as device tensors: nothing here waits for the
-        device (the caller reads them at log steps only)."""
-        tcfg, p = self.cfg.training, self.pos
-        chunks = [c for c in torch.tensor_split(local_idx, tcfg.grad_accum_steps) if len(c)]
-        total = torch.zeros((), dtype=torch.float64, device=s.device)
-        metrics: dict[str, Any] = {}
-        for i, chunk in enumerate(chunks):
-            t_fetch = time.perf_counter()
-            host = self.inputs.fetch(chunk, (p.epoch, p.step_in_epoch, i))
-            self._pace.fetched(time.perf_counter() - t_fetch)
-            batch = self.task.move_to_device(host, s.device)  # non-blocking from pinned memory on CUDA
-            sync = i == len(chunks) - 1
-            with s.model.no_sync() if not sync else contextlib.nullcontext():
-                with self._autocast(s):  # the forward only: backward runs in the forward ops' dtypes anyway
-                    loss, extra = self.task.compute_loss(s.model, batch)
-                loss = self.faults.loss(p.global_step + 1, loss)
-                # DDP averages over ranks: scaling by n*W/B makes that average the global-batch mean.
-                scale = len(chunk) * self.world_size / tcfg.global_batch_size
-                (loss * scale if scale != 1.0 else loss).backward()
-            total += loss.detach().double() * len(chunk)
-            for k, v in extra_metrics(extra).items():
-                metrics[k] = metrics.get(k, 0.0) + v * (len(chunk) / len(local_idx))
-        # The global gradient norm (after DDP's all-reduce: the same on every rank), before clipping: every
-        # step when clipping needs it anyway, else at rank 0's log steps only. A device tensor: no sync here.
-        self._grad_norm = None
-        if tcfg.grad_clip is not None:
-            self._grad_norm = torch.nn.utils.clip_grad_norm_(s.model.parameters(), tcfg.grad_clip)
-        elif self.rank == 0 and s.schedule.log(p.global_step + 1):
-            grads = [g.grad for g in s.model.parameters() if g.grad is not None]
-            self._grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
-        s.optimizer.step()
-        s.optimizer.zero_grad(set_to_none=True)
-        if s.scheduler is not None:
-            s.scheduler.step()
-        return total / len(local_idx), metrics
-
-    def _autocast(self, s: TrainSession) -> contextlib.AbstractContextManager[Any]:
-        if self.cfg.training.amp == "bf16":
-            return torch.autocast(device_type=s.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     def _step_row(
         self,
         s: TrainSession,
@@ -699,7 +527,7 @@ class Worker:
             "loss": float(loss),
             "lr": float(s.optimizer.param_groups[0]["lr"]),
             "grad_norm": float(self._grad_norm) if self._grad_norm is not None else None,
-            "peak_mem_gib": _peak_memory_gib(s.device),
+            "peak_mem_gib": peak_memory_gib(s.device),
             "step_time_s": dt,
             "input_wait_s": self._pace.input_s,
             "samples_per_s": self.cfg.training.global_batch_size / dt if dt > 0 else 0.0,
@@ -710,67 +538,18 @@ class Worker:
         }
 
     # ----------------------------------------------------------------- evaluation and checkpoints
-    def _eval_reader(self, device: torch.device) -> Any:
-        """The eval loader processes' reader (``evaluation.loader_workers``, default the training's), made
-        at the first evaluation and kept; None to read in turn."""
-        e, t = self.cfg.evaluation, self.cfg.training
-        workers = e.loader_workers if e.loader_workers is not None else t.loader_workers
-        if workers == 0:
-            return None
-        if self._eval_loader is None or self._eval_loader.broken:
-            self._eval_loader = EvalLoader(self._eval_dataset, workers, t.prefetch, device)
-        return self._eval_loader.batches
-
-    def _evaluate(self, s: TrainSession) -> EvalResult:
-        """Evaluate at this step, on every rank together (``cluster.evaluate``); rank 0 queues the result as
-        an ``eval`` metric row for the driver."""
-        p = self.pos
-        crash = self.faults.in_eval(p.global_step)
+    def _evaluate(self, s: TrainSession) -> None:
+        """Evaluate at this step, on every rank together (``cluster.worker_eval``); rank 0 queues the
+        result as an ``eval`` metric row for the driver."""
+        crash = self.faults.in_eval(self.pos.global_step)
 
         def alive() -> None:
             self._last_step_at = time.time()
-            self._eval_batches += 1  # progress for the hang watch
             crash()
 
-        res = evaluate(
-            self.task,
-            s.raw_model,
-            self._eval_dataset,
-            self.cfg,
-            p.global_step,
-            self.rank,
-            self.world_size,
-            s.device,
-            autocast=lambda: self._autocast(s),
-            progress=alive,
-            reader=self._eval_reader(s.device),
-        )
-        alive()
-        values = {"loss": res.loss, **res.metrics}
-        self._last_eval = (p.global_step, values)
-        if p.best.update(p.global_step, values):
-            self._best_at = p.global_step
-        if self.rank == 0:
-            spe = s.sampler.steps_per_epoch
-            at_end = p.step_in_epoch == 0 and p.global_step > 0  # resumed at an epoch's end
-            epoch, in_epoch = (p.epoch - 1, spe) if at_end else (p.epoch, p.step_in_epoch)
-            self._rows.append(
-                {
-                    "kind": "eval",
-                    "time": time.time(),
-                    "global_step": p.global_step,
-                    "epoch": epoch,
-                    "step_in_epoch": in_epoch,
-                    "loss": res.loss,
-                    "step_time_s": res.seconds,
-                    "samples_per_s": res.samples / res.seconds if res.seconds > 0 else 0.0,
-                    "world_size": self.world_size,
-                    "attempt": self.attempt,
-                    "eval_samples": res.samples,
-                    **{f"m_{k}": v for k, v in res.metrics.items()},
-                }
-            )
-        return res
+        _, row = self._evals.run(self.task, s, self.pos, self.rank, self.world_size, self.attempt, alive)
+        if row is not None:
+            self._rows.append(row)
 
     def _checkpoint(self, s: TrainSession) -> float:
         """Every rank at the same step; rank 0 hands state to the writer (a host copy; the upload runs in the
@@ -788,18 +567,8 @@ class Worker:
             "world_size": self.world_size,
             "step_in_epoch": state.step_in_epoch,
             "attempt": self.attempt,
+            **self._evals.checkpoint_meta(p),
         }
-        if self._last_eval is not None and self._last_eval[0] == p.global_step:
-            meta["eval"] = self._last_eval[1]  # the evaluation of this very model
-            metric = self.cfg.checkpoint.best_metric
-            if metric is not None:
-                meta["score"] = {
-                    "metric": metric,
-                    "mode": self.cfg.checkpoint.best_mode,
-                    "value": self._last_eval[1][metric],
-                }
-            if p.best.stop_due(p.global_step) and p.best.state is not None:
-                meta["early_stopped"] = {**p.best.state, "patience": self.cfg.evaluation.patience}
         stall = s.writer.save(p.global_step, state.epoch, meta, checkpoint_files(s.raw_model, state))
         self._last_step_at = time.time()
         return stall
@@ -819,7 +588,7 @@ class Worker:
             self._in_epoch,
             rows=self._drain_rows(),
             pace=self._pace.take(),
-            eval_batches=self._eval_batches,
+            eval_batches=self._evals.batches,
         )
 
     def _drain_rows(self) -> list[dict[str, Any]]:
@@ -875,7 +644,7 @@ class Worker:
         self.session = None
         self._pace.close()
         self.pos = RunPosition.start(self.cfg)
-        self._best_at, self._last_eval = None, None
+        self._evals.forget()
         self._last_checkpoint = -1
         self._next_group(rank, world_size, attempt)
 
