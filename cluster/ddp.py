@@ -99,9 +99,10 @@ class _QuietNote:
         self._file.seek(0)
         lines = self._file.read().splitlines(keepends=True)
         kept = b"".join(line for line in lines if UNUSED_NOTE not in line)
-        if kept:
-            os.write(2, kept)
-        if len(kept) < sum(len(line) for line in lines):
+        held_back = len(kept) < sum(len(line) for line in lines)
+        while kept:
+            kept = kept[os.write(2, kept) :]
+        if held_back:
             _note_seen = True
             for hook in self._hooks:
                 hook.remove()
