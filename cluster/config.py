@@ -486,7 +486,19 @@ def from_dict(data: dict[str, Any]) -> JobConfig:
 
 
 def validate(cfg: JobConfig) -> None:
-    """Raise ConfigError naming the first impossible value and the fix."""
+    """Raise ConfigError naming the first impossible value and the fix (the sections in this order)."""
+    _validate_job(cfg)
+    _validate_scaling(cfg.scaling)
+    _validate_training(cfg.training, cfg.scaling, cfg.effective_min_workers)
+    _validate_checkpoint(cfg.checkpoint)
+    _validate_evaluation(cfg.evaluation, cfg.checkpoint)
+    _validate_failures(cfg.failures)
+    _validate_tracking(cfg.tracking)
+    _validate_injected_faults(cfg.failures.inject, cfg.scaling.num_workers)
+
+
+def _validate_job(cfg: JobConfig) -> None:
+    """The job's own fields: name, task, storage."""
     if not _NAME_RE.match(cfg.name) or ".." in cfg.name:
         raise ConfigError(
             f"name={cfg.name!r} is not a valid run name; use 1-128 letters, digits, '.', '_' or '-', "
@@ -497,7 +509,9 @@ def validate(cfg: JobConfig) -> None:
     problem = url_problem(cfg.storage.url)
     if problem is not None:
         raise ConfigError(problem)
-    s, t, c, f = cfg.scaling, cfg.training, cfg.checkpoint, cfg.failures
+
+
+def _validate_scaling(s: ScalingConfig) -> None:
     if s.num_workers < 1:
         raise ConfigError(f"scaling.num_workers={s.num_workers} must be at least 1")
     if s.min_workers is not None and not 1 <= s.min_workers <= s.num_workers:
@@ -528,6 +542,10 @@ def validate(cfg: JobConfig) -> None:
     for k, v in s.resources_per_worker.items():
         if v < 0:
             raise ConfigError(f"scaling.resources_per_worker.{k}={v} must not be negative")
+
+
+def _validate_training(t: TrainingConfig, s: ScalingConfig, min_workers: int) -> None:
+    """``training``, and what it must agree with in ``scaling`` (``min_workers``: the effective one)."""
     if t.epochs < 1:
         raise ConfigError(f"training.epochs={t.epochs} must be at least 1")
     if t.grad_accum_steps < 1:
@@ -556,7 +574,7 @@ def validate(cfg: JobConfig) -> None:
             f"training.grad_accum_steps = {s.num_workers} x {t.grad_accum_steps} = {per_step}; "
             f"set training.global_batch_size to a multiple of {per_step}"
         )
-    min_per_step = cfg.effective_min_workers * t.grad_accum_steps
+    min_per_step = min_workers * t.grad_accum_steps
     if t.global_batch_size < per_step or t.global_batch_size < min_per_step:
         raise ConfigError(f"training.global_batch_size={t.global_batch_size} leaves a worker without samples")
     if t.grad_clip is not None and t.grad_clip <= 0:
@@ -577,6 +595,9 @@ def validate(cfg: JobConfig) -> None:
             "training.sync_batchnorm=true needs scaling.use_gpu=true: torch's SyncBatchNorm runs only on "
             "GPUs. Set training.sync_batchnorm=false for a CPU job"
         )
+
+
+def _validate_checkpoint(c: CheckpointConfig) -> None:
     if c.every_steps < 0:
         raise ConfigError(f"checkpoint.every_steps={c.every_steps} must be 0 (off) or positive")
     if c.every_epochs < 0:
@@ -596,12 +617,10 @@ def validate(cfg: JobConfig) -> None:
         )
     if c.keep_last < 1:
         raise ConfigError(f"checkpoint.keep_last={c.keep_last} must be at least 1 (resuming needs one)")
-    _validate_evaluation(cfg.evaluation)
-    if cfg.evaluation.patience is not None and c.best_metric is None:
-        raise ConfigError(
-            f"evaluation.patience={cfg.evaluation.patience} stops the run when checkpoint.best_metric stops "
-            "improving, but checkpoint.best_metric is null; set it (e.g. checkpoint.best_metric=loss)"
-        )
+
+
+def _validate_failures(f: FailureConfig) -> None:
+    """``failures``, all but its injected faults (checked last, against the number of ranks)."""
     if f.max_failures < -1:
         raise ConfigError(f"failures.max_failures={f.max_failures} must be -1 (unlimited) or at least 0")
     if f.hang_timeout_s is not None and f.hang_timeout_s <= 0:
@@ -647,17 +666,20 @@ def validate(cfg: JobConfig) -> None:
             f"failures.preemption_margin_s={f.preemption_margin_s} must be >= 0 (seconds before a drain's "
             "deadline by which the ranks must be off the node)"
         )
-    _validate_tracking(cfg.tracking)
-    for i, spec in enumerate(f.inject):
-        if not 0 <= spec.rank < s.num_workers:
+
+
+def _validate_injected_faults(inject: list[FaultSpec], num_workers: int) -> None:
+    for i, spec in enumerate(inject):
+        if not 0 <= spec.rank < num_workers:
             raise ConfigError(
-                f"failures.inject[{i}].rank={spec.rank} is not a rank of this job (0..{s.num_workers - 1})"
+                f"failures.inject[{i}].rank={spec.rank} is not a rank of this job (0..{num_workers - 1})"
             )
         if spec.step < 1:
             raise ConfigError(f"failures.inject[{i}].step={spec.step} must be at least 1")
 
 
-def _validate_evaluation(e: EvaluationConfig) -> None:
+def _validate_evaluation(e: EvaluationConfig, c: CheckpointConfig) -> None:
+    """``evaluation``, and the best checkpoint its patience needs."""
     if e.every_epochs < 0:
         raise ConfigError(f"evaluation.every_epochs={e.every_epochs} must be 0 (off) or positive")
     if e.every_steps < 0:
@@ -675,6 +697,11 @@ def _validate_evaluation(e: EvaluationConfig) -> None:
         raise ConfigError(f"evaluation.max_batches={e.max_batches} must be positive, or null for all")
     if e.patience is not None and e.patience < 1:
         raise ConfigError(f"evaluation.patience={e.patience} must be positive, or null for no early stopping")
+    if e.patience is not None and c.best_metric is None:
+        raise ConfigError(
+            f"evaluation.patience={e.patience} stops the run when checkpoint.best_metric stops "
+            "improving, but checkpoint.best_metric is null; set it (e.g. checkpoint.best_metric=loss)"
+        )
 
 
 def _host(url: str) -> str:
