@@ -238,13 +238,7 @@ def dump_stacks(
             path=rel,
             groups=[{"ranks": g.ranks, "where": g.where} for g in groups],
             silent=silent,
-        )
-        lines = [f"  ranks {stack_dump.ranges(g.ranks)}: {g.where}" for g in groups]
-        if silent:
-            lines.append(f"  ranks {stack_dump.ranges(silent)}: no answer")
-        record.print(
-            f"[{record.name}] where the ranks are ({reason}); every thread in {storage.url(rel)}\n"
-            + "\n".join(lines)
+            url=storage.url(rel),
         )
     except Exception as exc:  # a diagnosis that fails is logged; the run goes on
         logger.warning("could not take the ranks' stacks: %s: %s", type(exc).__name__, exc)
@@ -254,7 +248,6 @@ def start_profile(
     group: WorkerGroup, record: RunRecord, asked: dict[str, Any], world_size: int, step: int, attempt: int
 ) -> None:
     """Hand a profile request to the ranks it names (``cluster.profiling``); they write the files."""
-    from cluster import stacks as stack_dump
     from cluster.profiling import MAX_STEPS
 
     req_id = str(asked.get("id") or uuid.uuid4().hex[:12])
@@ -271,12 +264,9 @@ def start_profile(
         ranks=ranks,
         steps=steps,
         folder=folder,
+        url=record.storage.url(folder),
         step=step,
         attempt=attempt,
-    )
-    record.print(
-        f"[{record.name}] profiling {steps} step(s) on ranks {stack_dump.ranges(ranks)} "
-        f"(asked for by {asked.get('by', '?')}): {record.storage.url(folder)}"
     )
 
 

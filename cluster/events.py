@@ -36,6 +36,10 @@ class Kind:
     """Listed among ``show``'s events (kinds with a section of their own there are not)."""
     tensorboard: bool = False
     """Written as text into TensorBoard at its global step."""
+    console: Callable[[Fields], str] | bool = False
+    """Printed on the driver's console (``[run] `` and the line): ``True`` prints ``text``; a function
+    prints its line instead, when the console says more (what to do next), or nothing when it returns "";
+    ``False``: not printed."""
 
 
 def fmt(value: Any, digits: int = 4) -> str:
@@ -70,6 +74,16 @@ def _fields_text(r: Fields) -> str:
 def detail(record: Fields) -> str:
     """Every field of an event, as TensorBoard's text shows it: ``**kind** key=value, ...``."""
     return f"**{record.get('event')}** {_fields_text(record)}"
+
+
+def console_line(kind: str, fields: Fields) -> str | None:
+    """The driver's console line for an event of ``kind`` (without the ``[run] `` prefix), or None when the
+    console does not print it."""
+    known = KINDS.get(kind)
+    if known is None or known.console is False:
+        return None
+    text = known.text(fields) if known.console is True else known.console(fields)
+    return text or None
 
 
 def line(kind: str | None, fields: Fields) -> str:
@@ -114,6 +128,197 @@ def _moved(r: Fields) -> str:
     )
 
 
+# ---------------------------------------------------------------------------------- console lines
+def _already_complete_console(r: Fields) -> str:
+    if r.get("early_stopped"):
+        return (
+            f"stopped early at step {r.get('global_step')} (evaluation.patience={r.get('patience')}); "
+            "nothing to train. Raise evaluation.patience, or set it to null, to train on"
+        )
+    return (
+        f"all {r.get('epochs')} epochs are already done (checkpoint at step {r.get('global_step')}); nothing "
+        "to train"
+    )
+
+
+def _resize_console(r: Fields) -> str:
+    reason = str(r.get("reason") or "")
+    if reason == "resources returned":
+        return f"resources returned: growing {r.get('old')} -> {r.get('new')} workers"
+    if reason.startswith("preemption"):
+        return f"continuing with {r.get('new')} workers without the draining node(s)"
+    minimum = r.get("min_workers")
+    return f"continuing with {r.get('new')}/{r.get('target')} workers (scaling.min_workers={minimum})"
+
+
+def _group_started_console(r: Fields) -> str:
+    step = r.get("resume_step")
+    where = (
+        f"from step {step} (epoch {int(r.get('resume_epoch') or 0) + 1}, "
+        f"step {r.get('resume_step_in_epoch')})"
+        if step
+        else "fresh"
+    )
+    if r.get("resume_source") == "peers":
+        where += f", state from rank {r.get('resume_peer')}'s memory"
+    init = r.get("init_from")
+    if isinstance(init, Mapping):
+        kept = list(init.get("kept_init") or [])
+        where += f", with the weights of {init.get('url')}" + (
+            f" ({len(kept)} tensors keep their own init: {', '.join(kept[:5])}"
+            + (" ..." if len(kept) > 5 else "")
+            + ")"
+            if kept
+            else ""
+        )
+    return (
+        f"attempt {r.get('attempt')}: {r.get('world_size')} workers ({r.get('backend')}) ready in "
+        f"{float(r.get('seconds') or 0):.1f}s, starting {where}"
+    )
+
+
+def _evaluation_console(r: Fields) -> str:
+    shown = "".join(f", {k} {v:.4g}" for k, v in (r.get("metrics") or {}).items())
+    return (
+        f"eval at step {r.get('global_step')} (epoch {int(r.get('epoch') or 0) + 1}): loss "
+        f"{float(r.get('loss') or 0):.4f}{shown} ({r.get('samples')} samples, "
+        f"{float(r.get('seconds') or 0):.1f}s)"
+    )
+
+
+def _early_stopped_console(r: Fields) -> str:
+    value = r.get("best_value")
+    return (
+        f"stopping early at step {r.get('global_step')}: {r.get('metric')} has not improved for "
+        f"{r.get('evaluations_since_best')} evaluations (evaluation.patience={r.get('patience')}); the best, "
+        f"{value if value is not None else float('nan'):.4g} at step {r.get('best_step')}, is kept: "
+        'load_model(run, step="best")'
+    )
+
+
+def _finished_console(r: Fields) -> str:
+    return (
+        f"finished: {r.get('global_step')} steps, loss {float(r.get('loss') or 0):.4f}, checkpoints in "
+        f"{r.get('checkpoints')}"
+    )
+
+
+def _stop_requested_console(r: Fields) -> str:
+    return (
+        f"stopping ({r.get('reason')}): every rank stops after step {r.get('stop_step')} with a checkpoint "
+        f"there{r.get('note') or ''}. Once more to stop at once (no checkpoint)"
+    )
+
+
+def _stopped_console(r: Fields) -> str:
+    latest, note = r.get("checkpoint_step"), r.get("note")
+    where = (
+        f"its checkpoint at step {latest} is committed"
+        if r.get("committed")
+        else f"no checkpoint at the stop ({note or 'it failed to commit'}); the newest is at step {latest}"
+    )
+    return (
+        f"stopped at step {r.get('global_step')} ({r.get('reason')}) in {float(r.get('seconds') or 0):.1f}s: "
+        f"{where}. Resubmit the same job to resume"
+    )
+
+
+def _failure_console(r: Fields) -> str:
+    lines = str(r.get("message") or "").splitlines()
+    return f"FAILURE ({r.get('kind')}, rank {r.get('rank')}): {lines[0][:300] if lines else ''}"
+
+
+def _decision_console(r: Fields) -> str:
+    if not r.get("restart"):
+        return ""  # the run's error says it
+    fallback = r.get("fallback")
+    source = (
+        f"from rank {r.get('peer_source')}'s memory at step {r.get('peer_step')}"
+        if r.get("source") == "peers"
+        else "from the latest checkpoint" + (f" ({fallback})" if fallback else "")
+    )
+    return f"recovering ({r.get('reason')}) in {float(r.get('delay_s') or 0):.1f}s, {source}"
+
+
+def _recovered_console(r: Fields) -> str:
+    return (
+        f"recovered from {r.get('kind')} ({r.get('source')}): first step "
+        f"{float(r.get('detect_to_first_step_s') or 0):.1f}s after detection, {r.get('lost_steps')} steps of "
+        f"work lost, {human_bytes(int(r.get('bytes') or 0))} of state moved in "
+        f"{float(r.get('transfer_s') or 0):.2f}s"
+    )
+
+
+def _rollback_console(r: Fields) -> str:
+    first, last = (r.get("window") or [None, None])[:2]
+    trained = (r.get("skipped") or [first])[0]
+    back = r.get("checkpoint_step")
+    where = f"checkpoint step {r.get('resume_step')}" if back is not None else "the run's start"
+    note = (
+        f" (the newer kept checkpoints leave none before step {first}: steps {first}-{trained - 1} stay "
+        "trained)"
+        if isinstance(trained, int) and isinstance(first, int) and trained > first
+        else ""
+    )
+    gone = f"; deleted the newer checkpoints {r['discarded']}" if r.get("discarded") else ""
+    return (
+        f"rolled back to {where} after a loss that was not finite: the batches of steps {trained}-{last} are "
+        f"skipped{note}{gone}"
+    )
+
+
+def _notice_console(r: Fields) -> str:
+    left = r.get("seconds_left")
+    return f"node {str(r.get('node'))[:12]} (ranks {r.get('ranks')}) is draining" + (
+        f": it goes in {float(left):.0f}s" if left is not None else " (no deadline)"
+    )
+
+
+def _moved_console(r: Fields) -> str:
+    return (
+        f"moved ranks {r.get('ranks')} off the draining node(s) ({r.get('source')}), {r.get('lost_steps')} "
+        f"steps lost, training stalled {float(r.get('stall_s') or 0):.1f}s"
+    )
+
+
+def _slow_rank_console(r: Fields) -> str:
+    compute, others = float(r.get("compute_ms") or 0), float(r.get("others_ms") or 0)
+    inp, others_inp = float(r.get("input_ms") or 0), float(r.get("others_input_ms") or 0)
+    where = f"Its wait for input: {inp:.0f} ms against {others_inp:.0f} ms"
+    extra, extra_input = compute - others, inp - others_inp
+    cause = (
+        f"{where}: its input pipeline (storage, loader processes: training.loader_workers)."
+        if extra > 0 and extra_input >= extra / 2
+        else f"{where}: its forward and backward (its device or host)."
+    )
+    return (
+        f"rank {r.get('rank')} on {r.get('host')} is slow: its own part of each step takes {compute:.0f} ms "
+        f"against {others:.0f} ms on the other ranks ({float(r.get('ratio') or 0):.1f}x), and every rank "
+        f"waits for it (steps take {float(r.get('step_ms') or 0):.0f} ms). {cause}"
+    )
+
+
+def _slow_move_console(r: Fields) -> str:
+    return (
+        f"moving slow rank {r.get('rank')} off {r.get('host')} (failures.slow_rank_action=move): placing a "
+        "replacement on another node while training goes on"
+    )
+
+
+def _stacks_console(r: Fields) -> str:
+    lines = [f"  ranks {ranges(list(g.get('ranks') or []))}: {g.get('where')}" for g in r.get("groups") or []]
+    if r.get("silent"):
+        lines.append(f"  ranks {ranges(list(r['silent']))}: no answer")
+    return f"where the ranks are ({r.get('reason')}); every thread in {r.get('url')}\n" + "\n".join(lines)
+
+
+def _profile_console(r: Fields) -> str:
+    return (
+        f"profiling {r.get('steps')} step(s) on ranks {ranges(list(r.get('ranks') or []))} "
+        f"(asked for by {r.get('by') or '?'}): {r.get('url')}"
+    )
+
+
 def _kinds(*kinds: Kind) -> dict[str, Kind]:
     return {k.name: k for k in kinds}
 
@@ -147,9 +352,15 @@ KINDS: dict[str, Kind] = _kinds(
     Kind(
         "already_complete",
         "a submission finds every epoch done by its newest verified checkpoint: nothing to train",
-        {"global_step": "the checkpoint's step", "early_stopped": "whether the run had stopped early"},
+        {
+            "global_step": "the checkpoint's step",
+            "early_stopped": "whether the run had stopped early",
+            "epochs": "`training.epochs`",
+            "patience": "`evaluation.patience`",
+        },
         lambda r: f"already complete at step {r.get('global_step')}: nothing to train",
         watch=True,
+        console=_already_complete_console,
     ),
     Kind(
         "failed",
@@ -167,9 +378,11 @@ KINDS: dict[str, Kind] = _kinds(
             "backend": "`nccl` or `gloo`",
             "resume_step": "the global step it resumes after (0: from the start)",
             "resume_epoch": "the (0-based) epoch it resumes in",
+            "resume_step_in_epoch": "steps of that epoch already done",
             "resume_checkpoint": "the checkpoint loaded, or null",
             "resume_world_size": "the world size that checkpoint was written at",
             "resume_source": "`fresh`, `checkpoint` (storage) or `peers` (a survivor's memory)",
+            "resume_peer": "the rank that sent the state (`peers` only)",
             "init_from": "weights from another run (`training.init_from`): url, step, tensors loaded",
             "pids": "each rank's process id",
             "nodes": "each rank's Ray node id",
@@ -185,6 +398,7 @@ KINDS: dict[str, Kind] = _kinds(
             f"{r.get('resume_step')} ({r.get('resume_source')}) in {r.get('seconds')}s"
         ),
         watch=True,
+        console=_group_started_console,
     ),
     Kind(
         "spare_ready",
@@ -213,6 +427,7 @@ KINDS: dict[str, Kind] = _kinds(
         lambda r: f"skipped checkpoint step {r.get('step')}: {r.get('reason')}",
         show=True,
         tensorboard=True,
+        console=True,
     ),
     Kind(
         "checkpoint_failed",
@@ -222,6 +437,7 @@ KINDS: dict[str, Kind] = _kinds(
         watch=True,
         show=True,
         tensorboard=True,
+        console=True,
     ),
     Kind(
         "epoch_end",
@@ -255,6 +471,7 @@ KINDS: dict[str, Kind] = _kinds(
         },
         _evaluation,
         watch=True,
+        console=_evaluation_console,
     ),
     Kind(
         "early_stopped",
@@ -273,6 +490,7 @@ KINDS: dict[str, Kind] = _kinds(
         ),
         watch=True,
         show=True,
+        console=_early_stopped_console,
     ),
     Kind(
         "resize",
@@ -282,6 +500,8 @@ KINDS: dict[str, Kind] = _kinds(
             "new": "ranks after",
             "reason": "why",
             "at_step": "the step it happened at (absent when starting short)",
+            "target": "`scaling.num_workers` (starting short only)",
+            "min_workers": "the effective `scaling.min_workers` (starting short only)",
         },
         lambda r: (
             f"resize {r.get('old')} -> {r.get('new')} workers"
@@ -291,14 +511,21 @@ KINDS: dict[str, Kind] = _kinds(
         watch=True,
         show=True,
         tensorboard=True,
+        console=_resize_console,
     ),
     Kind(
         "finished",
         "every epoch is trained and the last checkpoint committed",
-        {"global_step": "the final step", "loss": "the last epoch's loss", "attempts": "groups started"},
+        {
+            "global_step": "the final step",
+            "loss": "the last epoch's loss",
+            "attempts": "groups started",
+            "checkpoints": "where its checkpoints are",
+        },
         _finished,
         watch=True,
         tensorboard=True,
+        console=_finished_console,
     ),
     Kind(
         "run_failed",
@@ -325,6 +552,7 @@ KINDS: dict[str, Kind] = _kinds(
         ),
         watch=True,
         tensorboard=True,
+        console=_failure_console,
     ),
     Kind(
         "decision",
@@ -341,6 +569,7 @@ KINDS: dict[str, Kind] = _kinds(
         lambda r: f"decision: {'restart' if r.get('restart') else 'give up'} ({r.get('reason')})",
         watch=True,
         tensorboard=True,
+        console=_decision_console,
     ),
     Kind(
         "recovered",
@@ -366,6 +595,7 @@ KINDS: dict[str, Kind] = _kinds(
         ),
         watch=True,
         tensorboard=True,
+        console=_recovered_console,
     ),
     Kind(
         "rollback",
@@ -381,6 +611,7 @@ KINDS: dict[str, Kind] = _kinds(
         watch=True,
         show=True,
         tensorboard=True,
+        console=_rollback_console,
     ),
     Kind(
         "rewound",
@@ -409,6 +640,7 @@ KINDS: dict[str, Kind] = _kinds(
         ),
         watch=True,
         tensorboard=True,
+        console=_notice_console,
     ),
     Kind(
         "preemption_move",
@@ -416,6 +648,7 @@ KINDS: dict[str, Kind] = _kinds(
         _MOVED,
         _moved,
         watch=True,
+        console=_moved_console,
     ),
     Kind(
         "preemption_checkpoint",
@@ -428,6 +661,7 @@ KINDS: dict[str, Kind] = _kinds(
             "seconds_before_deadline": "seconds left before the node's deadline",
         },
         lambda r: f"checkpoint at step {r.get('step')} before the node goes: {r.get('reason')}",
+        console=True,
     ),
     Kind(
         "slow_rank",
@@ -449,6 +683,7 @@ KINDS: dict[str, Kind] = _kinds(
             f"({r.get('compute_ms')} ms against {r.get('others_ms')} ms)"
         ),
         watch=True,
+        console=_slow_rank_console,
     ),
     Kind(
         "slow_rank_cleared",
@@ -456,6 +691,7 @@ KINDS: dict[str, Kind] = _kinds(
         {"rank": "the rank", "host": "its host", "step": "the step", **_GROUP},
         lambda r: f"rank {r.get('rank')} on {r.get('host')} keeps pace again (step {r.get('step')})",
         watch=True,
+        console=True,
     ),
     Kind(
         "slow_rank_move",
@@ -469,6 +705,7 @@ KINDS: dict[str, Kind] = _kinds(
         },
         lambda r: f"moving slow rank {r.get('rank')} off {r.get('host')} ({r.get('via')})",
         watch=True,
+        console=_slow_move_console,
     ),
     Kind(
         "slow_rank_moved",
@@ -477,6 +714,7 @@ KINDS: dict[str, Kind] = _kinds(
         _moved,
         watch=True,
         show=True,
+        console=_moved_console,
     ),
     Kind(
         "slow_rank_move_failed",
@@ -485,14 +723,20 @@ KINDS: dict[str, Kind] = _kinds(
         lambda r: f"slow rank(s) {r.get('ranks')} stay where they are: {r.get('reason')}",
         watch=True,
         show=True,
+        console=True,
     ),
     # ------------------------------------------------------------ requests: stop, stacks, profile
     Kind(
         "stop_requested",
         "a stop is asked for (Ctrl-C, `ray job stop`, `python -m cluster stop`, `training.time_limit_s`)",
-        {"reason": "who or what asked", "stop_step": "the step every rank stops after, with a checkpoint"},
+        {
+            "reason": "who or what asked",
+            "stop_step": "the step every rank stops after, with a checkpoint",
+            "note": "how long the stop has, under `ray job stop`",
+        },
         lambda r: f"stopping ({r.get('reason')}): every rank stops after step {r.get('stop_step')}",
         watch=True,
+        console=_stop_requested_console,
     ),
     Kind(
         "stopped",
@@ -511,6 +755,7 @@ KINDS: dict[str, Kind] = _kinds(
         ),
         watch=True,
         show=True,
+        console=_stopped_console,
     ),
     Kind(
         "stacks",
@@ -522,12 +767,14 @@ KINDS: dict[str, Kind] = _kinds(
             **_GROUP,
             "request": "the request's id (asked for only)",
             "path": "the full report, under `diagnostics/`",
+            "url": "the full report's URL",
             "groups": "where each group of ranks stands: `ranks`, `where`",
             "silent": "ranks that did not answer",
         },
         _stacks,
         watch=True,
         show=True,
+        console=_stacks_console,
     ),
     Kind(
         "profile_requested",
@@ -538,6 +785,7 @@ KINDS: dict[str, Kind] = _kinds(
             "ranks": "the ranks profiled",
             "steps": "steps recorded",
             "folder": "where the traces go, under `profiles/`",
+            "url": "that folder's URL",
             "step": "the step at the request",
             **_GROUP,
         },
@@ -547,6 +795,7 @@ KINDS: dict[str, Kind] = _kinds(
         ),
         watch=True,
         show=True,
+        console=_profile_console,
     ),
     # ------------------------------------------------------------ tracking (tracking.*)
     Kind(

@@ -22,6 +22,7 @@ from cluster.checkpoint import CheckpointInfo, CheckpointStore, CommitRecord, st
 from cluster.config import JobConfig, resolve_notify_url
 from cluster.errors import ConfigError, Failure
 from cluster.evaluate import eval_due
+from cluster.events import console_line
 from cluster.group import EpochResult, SetupInfo
 from cluster.metrics import EventLog, ProgressDisplay, write_metrics
 from cluster.peer import PeerPlan
@@ -139,23 +140,22 @@ class RunRecord:
             self.out.flush()
 
     def event(self, kind: str, /, **fields: Any) -> None:
-        self.events.append(kind, **fields)
+        """Write an event and, for the kinds the console shows (``cluster.events``), its console line."""
+        record = self.events.append(kind, **fields)
+        text = console_line(kind, record)
+        if text is not None:
+            self.print(f"[{self.name}] {text}")
 
     # ------------------------------------------------------------------ starting
     def already_complete(self, global_step: int, early_stopped: bool) -> None:
         cfg = self.cfg
-        if early_stopped:
-            self.print(
-                f"[{self.name}] stopped early at step {global_step} (evaluation.patience="
-                f"{cfg.evaluation.patience}); nothing to train. Raise evaluation.patience, or set "
-                "it to null, to train on"
-            )
-        else:
-            self.print(
-                f"[{self.name}] all {cfg.training.epochs} epochs are already done (checkpoint at step "
-                f"{global_step}); nothing to train"
-            )
-        self.event("already_complete", global_step=global_step, early_stopped=early_stopped)
+        self.event(
+            "already_complete",
+            global_step=global_step,
+            early_stopped=early_stopped,
+            epochs=cfg.training.epochs,
+            patience=cfg.evaluation.patience,
+        )
 
     def shrunk(self, old: int, new: int) -> None:
         s = self.cfg.scaling
@@ -164,24 +164,26 @@ class RunRecord:
             old=old,
             new=new,
             reason=f"resources for {s.num_workers} workers not available within {s.resource_wait_s:g}s",
+            target=s.num_workers,
+            min_workers=self.cfg.effective_min_workers,
         )
-        minimum = self.cfg.effective_min_workers
-        self.print(f"continuing with {new}/{s.num_workers} workers (scaling.min_workers={minimum})")
 
     def skipped_checkpoints(self, head: SetupInfo) -> None:
         for step, reason in head.skipped_checkpoints:
             self.event("checkpoint_skipped", step=step, reason=reason)
-            self.print(f"skipped checkpoint step {step}: {reason}")
 
     def group_started(
         self, attempt: int, infos: list[SetupInfo], seconds: float, spare_note: str, steps_per_epoch: int
     ) -> None:
-        """The group is set up: the checkpoints it skipped, the ``group_started`` event, the live bar and
-        the console line saying where it starts."""
+        """The group is set up: the live bar, the ``group_started`` event and its line saying where it
+        starts."""
         head = infos[0]
         self.display = ProgressDisplay(steps_per_epoch * self.cfg.training.epochs, self.out)
         r = head.resume
         niceness = sorted({i.niceness for i in infos})
+        for note in niceness:
+            if "not permitted" in note:
+                self.print(f"[{self.name}] warning: workers run at niceness {note}")
         self.event(
             "group_started",
             attempt=attempt,
@@ -189,9 +191,11 @@ class RunRecord:
             backend=head.backend,
             resume_step=r.global_step,
             resume_epoch=r.epoch,
+            resume_step_in_epoch=r.step_in_epoch,
             resume_checkpoint=r.checkpoint_url,
             resume_world_size=r.world_size,
             resume_source=r.source,
+            resume_peer=r.peer_source,
             init_from=r.init_from,
             pids=[i.pid for i in infos],
             nodes=[i.node_id for i in infos],
@@ -201,13 +205,6 @@ class RunRecord:
             hot_spare=spare_note,
             allocator=sorted({i.allocator for i in infos}),
             niceness=niceness,
-        )
-        for note in niceness:
-            if "not permitted" in note:
-                self.print(f"[{self.name}] warning: workers run at niceness {note}")
-        self.print(
-            f"[{self.name}] attempt {attempt}: {len(infos)} workers ({head.backend}) ready in "
-            f"{seconds:.1f}s, starting {_where(head)}"
         )
 
     # ------------------------------------------------------------------ training
@@ -247,11 +244,6 @@ class RunRecord:
             samples=row.get("eval_samples"),
             seconds=round(row["step_time_s"], 3),
             world_size=row.get("world_size"),
-        )
-        shown = "".join(f", {k} {v:.4g}" for k, v in metrics.items())
-        self.print(
-            f"[{self.name}] eval at step {step} (epoch {row['epoch'] + 1}): loss {row['loss']:.4f}{shown}"
-            f" ({row.get('eval_samples')} samples, {row['step_time_s']:.1f}s)"
         )
 
     def eval_missing(self, step: int, steps_per_epoch: int) -> bool:
@@ -343,7 +335,6 @@ class RunRecord:
         for c in commits:
             if c.error:
                 self.event("checkpoint_failed", step=c.step, error=c.error)
-                self.print(f"checkpoint at step {c.step} FAILED (not used): {c.error}")
             else:
                 self.event(
                     "checkpoint",
@@ -359,7 +350,14 @@ class RunRecord:
         self.event("spare_ready", attempt=attempt, prepare_s=round(prepare_s, 3))
 
     def slow_rank(self, r: SlowRank, host: str, step: int, attempt: int) -> None:
-        report = {
+        report = self.slow_report(r, host, step, attempt)
+        self.slow_reports.append(report)
+        self.event("slow_rank", **report)
+
+    @staticmethod
+    def slow_report(r: SlowRank, host: str, step: int, attempt: int) -> dict[str, Any]:
+        """A ``slow_rank`` event's fields (also ``Result.slow_ranks``)."""
+        return {
             "rank": r.rank,
             "host": host,
             "step": step,
@@ -371,82 +369,50 @@ class RunRecord:
             "input_ms": round(r.input_s * 1000, 1),
             "others_input_ms": round(r.others_input_s * 1000, 1),
         }
-        self.event("slow_rank", **report)
-        self.slow_reports.append(report)
-        self.print(
-            f"[{self.name}] rank {r.rank} on {host} is slow: its own part of each step takes "
-            f"{r.compute_s * 1000:.0f} ms against {r.others_s * 1000:.0f} ms on the other ranks "
-            f"({r.ratio:.1f}x), and every rank waits for it (steps take {r.step_s * 1000:.0f} ms). "
-            + slow_cause(r)
-        )
 
     def slow_rank_cleared(self, rank: int, host: str, step: int, attempt: int) -> None:
         self.event("slow_rank_cleared", rank=rank, host=host, step=step, attempt=attempt)
-        self.print(f"[{self.name}] rank {rank} on {host} keeps pace again")
 
     # ------------------------------------------------------------------ ends
     def early_stopped(self, head: EpochResult) -> None:
         best = head.best or {}
-        metric = self.cfg.checkpoint.best_metric
-        patience = self.cfg.evaluation.patience
         self.event(
             "early_stopped",
             global_step=head.global_step,
-            metric=metric,
+            metric=self.cfg.checkpoint.best_metric,
             best_step=best.get("step"),
             best_value=best.get("value"),
             evaluations_since_best=best.get("since"),
-            patience=patience,
-        )
-        self.print(
-            f"[{self.name}] stopping early at step {head.global_step}: {metric} has not improved for "
-            f"{best.get('since')} evaluations (evaluation.patience={patience}); the "
-            f"best, {best.get('value', float('nan')):.4g} at step {best.get('step')}, is kept: "
-            f'load_model(run, step="best")'
+            patience=self.cfg.evaluation.patience,
         )
 
     def finished(self, global_step: int, loss: float, attempts: int) -> None:
-        self.event("finished", global_step=global_step, loss=loss, attempts=attempts)
-        self.print(
-            f"[{self.name}] finished: {global_step} steps, loss {loss:.4f}, "
-            f"checkpoints in {self.storage.root}/checkpoints"
+        self.event(
+            "finished",
+            global_step=global_step,
+            loss=loss,
+            attempts=attempts,
+            checkpoints=f"{self.storage.root}/checkpoints",
         )
 
     def grown(self, old: int, new: int, at_step: int) -> None:
         self.event("resize", old=old, new=new, reason="resources returned", at_step=at_step)
-        self.print(f"resources returned: growing {old} -> {new} workers")
 
     def stop_requested(self, reason: str, stop_step: int, grace: str) -> None:
-        self.event("stop_requested", reason=reason, stop_step=stop_step)
-        self.print(
-            f"[{self.name}] stopping ({reason}): every rank stops after step {stop_step} "
-            f"with a checkpoint there{grace}. Once more to stop at once (no checkpoint)"
-        )
+        self.event("stop_requested", reason=reason, stop_step=stop_step, note=grace or None)
 
     def stopped(
         self, reason: str, requested_at: float, global_step: int, committed: bool, note: str | None
     ) -> None:
         infos = CheckpointStore(self.storage).list()
-        latest = infos[-1].step if infos else None
-        seconds = time.time() - requested_at
         self.event(
             "stopped",
             reason=reason,
             global_step=global_step,
-            checkpoint_step=latest,
+            checkpoint_step=infos[-1].step if infos else None,
             committed=committed,
-            seconds=round(seconds, 3),
+            seconds=round(time.time() - requested_at, 3),
             note=note,
-        )
-        where = (
-            f"its checkpoint at step {latest} is committed"
-            if committed
-            else f"no checkpoint at the stop ({note or 'it failed to commit'}); the newest is at step "
-            f"{latest}"
-        )
-        self.print(
-            f"[{self.name}] stopped at step {global_step} ({reason}) in "
-            f"{seconds:.1f}s: {where}. Resubmit the same job to resume"
         )
 
     def run_failed(self, exc: BaseException) -> None:
@@ -462,7 +428,6 @@ class RunRecord:
             message=failure.message[-4000:],
             step=step,
         )
-        self.print(f"FAILURE ({failure.kind}, rank {failure.rank}): {failure.message.splitlines()[0][:300]}")
 
     def decision(self, decision: Decision, plan: PeerPlan | None, fallback: str) -> None:
         """What the failure policy decided, and (on a restart) where the state comes from."""
@@ -476,13 +441,6 @@ class RunRecord:
             peer_source=plan.source if plan is not None else None,
             peer_step=plan.global_step if plan is not None else None,
         )
-        if decision.restart:
-            source = (
-                f"from rank {plan.source}'s memory at step {plan.global_step}"
-                if plan is not None
-                else "from the latest checkpoint" + (f" ({fallback})" if fallback else "")
-            )
-            self.print(f"recovering ({decision.reason}) in {decision.delay_s:.1f}s, {source}")
 
     def recovered(self, timing: RecoveryTiming, first_step_at: float) -> None:
         phases = timing.phases(first_step_at)
@@ -500,12 +458,6 @@ class RunRecord:
             spare=timing.spare,
             **{k: round(v, 3) for k, v in phases.items()},
         )
-        self.print(
-            f"recovered from {timing.kind} ({timing.source}): first step "
-            f"{phases['detect_to_first_step_s']:.1f}s after detection, {timing.lost_steps} steps of work "
-            "lost, "
-            f"{fmt_bytes(timing.nbytes)} of state moved in {timing.transfer_s:.2f}s"
-        )
 
     def rollback(self, back: dict[str, Any], resume_step: int) -> None:
         first, last = back["window"]
@@ -517,18 +469,6 @@ class RunRecord:
             checkpoint_step=back["checkpoint_step"],
             discarded=back["discarded"],
             resume_step=resume_step,
-        )
-        where = f"checkpoint step {resume_step}" if back["checkpoint_step"] is not None else "the run's start"
-        note = (
-            f" (the newer kept checkpoints leave none before step {first}: steps {first}-{trained - 1} stay "
-            "trained)"
-            if trained > first
-            else ""
-        )
-        gone = f"; deleted the newer checkpoints {back['discarded']}" if back["discarded"] else ""
-        self.print(
-            f"[{self.name}] rolled back to {where} after a loss that was not finite: the batches of "
-            f"steps {trained}-{last} are skipped{note}{gone}"
         )
 
     # ------------------------------------------------------------------ moves
@@ -543,21 +483,12 @@ class RunRecord:
                 seconds_left=None if left is None else round(left, 1),
                 step=step,
             )
-            self.print(
-                f"[{self.name}] node {n.node_id[:12]} (ranks {list(n.ranks)}) is draining"
-                + (f": it goes in {left:.0f}s" if left is not None else " (no deadline)")
-            )
 
     def slow_rank_move(self, rank: int, host: str, node: str, step: int, via: str) -> None:
         self.event("slow_rank_move", rank=rank, host=host, node=node, step=step, via=via)
-        self.print(
-            f"[{self.name}] moving slow rank {rank} off {host} (failures.slow_rank_action=move): placing "
-            "a replacement on another node while training goes on"
-        )
 
     def slow_rank_move_failed(self, ranks: list[int], why: str) -> None:
         self.event("slow_rank_move_failed", ranks=ranks, reason=why)
-        self.print(f"[{self.name}] slow rank(s) {ranks} stay where they are: {why}")
 
     def preemption_checkpoint(self, m: Move, step: int, committed: bool) -> None:
         self.event(
@@ -568,7 +499,6 @@ class RunRecord:
             reason=m.reason,
             seconds_before_deadline=(round(m.deadline - time.time(), 1) if m.deadline is not None else None),
         )
-        self.print(f"[{self.name}] checkpoint at step {step} before the node goes: {m.reason}")
 
     def moved(self, m: Move, infos: list[SetupInfo], t_ready: float) -> None:
         r = infos[0].resume
@@ -593,53 +523,6 @@ class RunRecord:
             fields = {"old": len(infos) + len(m.ranks), "new": len(infos), "at_step": m.stop_step, **fields}
             fields["reason"] = f"preemption: {m.reason}"
         self.event(event, **fields)
-        self.print(
-            f"[{self.name}] moved ranks {m.ranks} off the draining node(s) "
-            f"({r.source}), {fields['lost_steps']} steps lost, training stalled {fields['stall_s']:.1f}s"
-            if m.replaced
-            else f"[{self.name}] continuing with {len(infos)} workers without the draining node(s)"
-        )
-
-
-def _where(head: SetupInfo) -> str:
-    """Where a group starts, for its console line."""
-    r = head.resume
-    where = (
-        f"from step {r.global_step} (epoch {r.epoch + 1}, step {r.step_in_epoch})"
-        if r.global_step
-        else "fresh"
-    )
-    if r.source == "peers":
-        where += f", state from rank {r.peer_source}'s memory"
-    if r.init_from is not None:
-        kept = r.init_from["kept_init"]
-        where += f", with the weights of {r.init_from['url']}" + (
-            f" ({len(kept)} tensors keep their own init: {', '.join(kept[:5])}"
-            + (" ..." if len(kept) > 5 else "")
-            + ")"
-            if kept
-            else ""
-        )
-    return where
-
-
-def slow_cause(r: SlowRank) -> str:
-    """Where a slow rank's extra time goes: waiting for its batches, or its forward and backward."""
-    extra_input = r.input_s - r.others_input_s
-    extra = r.compute_s - r.others_s
-    where = f"Its wait for input: {r.input_s * 1000:.0f} ms against {r.others_input_s * 1000:.0f} ms"
-    if extra > 0 and extra_input >= extra / 2:
-        return f"{where}: its input pipeline (storage, loader processes: training.loader_workers)."
-    return f"{where}: its forward and backward (its device or host)."
-
-
-def fmt_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB"):
-        if size < 1024:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} GiB"
 
 
 def _phase_max(infos: list[SetupInfo]) -> dict[str, float]:

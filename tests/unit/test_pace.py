@@ -43,7 +43,8 @@ def test_a_rank_slow_for_three_rounds_is_reported_once_and_cleared_after_three_a
 
 
 def test_a_slow_rank_s_report_says_whether_its_input_or_its_compute_is_slow() -> None:
-    from cluster.driver import _slow_cause
+    from cluster.events import console_line
+    from cluster.record import RunRecord
 
     for input_ms, cause in ((55.0, "its input pipeline"), (3.0, "its forward and backward")):
         watch = SlowRankWatch(1.5)
@@ -51,7 +52,8 @@ def test_a_slow_rank_s_report_says_whether_its_input_or_its_compute_is_slow() ->
             became, _ = watch.update(beats(40, 95, 41, input_ms={0: 2.0, 1: input_ms, 2: 4.0}))
         (r,) = became
         assert (r.rank, r.input_s, r.others_input_s) == (1, input_ms / 1000, 0.003)  # the others' median
-        assert cause in _slow_cause(r)
+        report = RunRecord.slow_report(r, "h", 7, 0)
+        assert cause in str(console_line("slow_rank", report))
 
 
 def test_a_streak_broken_by_one_round_at_pace_starts_again() -> None:
