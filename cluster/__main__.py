@@ -322,7 +322,7 @@ def _rewind(args: argparse.Namespace, options: dict[str, Any]) -> int:
 
     storage = inspect.open_run(args.url, args.name, options)
     try:
-        plan = rewind(storage.root, args.to, options, apply=args.yes)
+        plan = rewind(storage.root, args.to, options, apply=args.yes, say=print)
     except ConfigError as exc:
         return _error(f"error: {exc}", 2)
     if not plan.newer:

@@ -14,7 +14,7 @@ import json
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -28,6 +28,7 @@ from cluster.task import Task, task_path
 
 if TYPE_CHECKING:
     from cluster.driver import Driver
+    from cluster.lease import Lease
 
 
 @dataclass
@@ -69,6 +70,16 @@ def ray_group_factory(cfg: JobConfig, run_url: str, attempt: int, task_cls: Any 
     from cluster.worker_group import RayWorkerGroup
 
     return RayWorkerGroup(cfg, run_url, attempt, task_cls)
+
+
+def take_lease(cfg: JobConfig, takeover: bool = False, say: Callable[[str], None] | None = None) -> Lease:
+    """Take the run's lease (``cluster.lease``) before anything is written: LeaseHeldError (exit 2) while
+    another job trains the run, unless ``takeover``."""
+    from cluster.lease import Lease
+
+    run = Storage(join(normalize_url(cfg.storage.url), cfg.name), cfg.storage.options)
+    job = os.environ.get("RAY_JOB_SUBMISSION_ID") or f"python pid {os.getpid()}"
+    return Lease.take(run, job, takeover=takeover, say=say or print)
 
 
 def ensure_ray(cfg: JobConfig) -> bool:
@@ -123,8 +134,19 @@ def preflight(cfg: JobConfig, task: type[Task] | None = None) -> None:
         )
 
 
-def train(cfg: JobConfig, out: TextIO | None = None, task: type[Task] | None = None) -> Result:
+def train(
+    cfg: JobConfig,
+    out: TextIO | None = None,
+    task: type[Task] | None = None,
+    takeover: bool = False,
+    lease: Lease | None = None,
+) -> Result:
     """Run (or resume) the job described by ``cfg`` to completion and return its Result.
+
+    One job trains a run at a time: while another job's lease on the run beats, this one is refused
+    (LeaseHeldError) before Ray starts; ``takeover=True`` takes the run from a job that is gone (or fences
+    out one that is not: its writes are refused from then on). ``lease``: one already taken
+    (:func:`take_lease`), released when the run ends.
 
     ``task``: the Task class itself instead of ``cfg.task``'s import path (which then records it): sent to
     the workers by value, so a class defined in a notebook or in the running script works. Uses the Ray
@@ -136,14 +158,17 @@ def train(cfg: JobConfig, out: TextIO | None = None, task: type[Task] | None = N
     if task is not None:
         cfg = dataclasses.replace(cfg, task=task_path(task))
     preflight(cfg, task)
-    started = ensure_ray(cfg)
+    lease = lease or take_lease(cfg, takeover, None if out is None else lambda t: print(t, file=out))
+    started = False
     try:
+        started = ensure_ray(cfg)
         check_cluster(cfg)
         factory = functools.partial(ray_group_factory, task_cls=task) if task is not None else None
-        driver = Driver(cfg, group_factory=factory, out=out)
+        driver = Driver(cfg, group_factory=factory, out=out, lease=lease)
         with stop_on_signals(driver):
             return driver.run()
     finally:
+        lease.release()  # (the driver released it already when it ran)
         if started:
             local_ray.shutdown()
 

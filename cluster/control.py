@@ -29,6 +29,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -75,8 +76,15 @@ class DriverBeat:
     ``DRIVER_BEAT_S`` after; ``stop`` writes it a last time with ``ended`` set. ``snapshot`` is called on
     the beat's thread and returns the fields to write (state, step): plain reads of the driver."""
 
-    def __init__(self, run: Storage, snapshot: Any, every_s: float = DRIVER_BEAT_S) -> None:
+    def __init__(
+        self,
+        run: Storage,
+        snapshot: Any,
+        every_s: float = DRIVER_BEAT_S,
+        fence: Callable[[], None] | None = None,
+    ) -> None:
         self.run = run
+        self.fence = fence
         self.snapshot = snapshot
         self.every_s = every_s
         self._stop = threading.Event()
@@ -110,6 +118,8 @@ class DriverBeat:
             **self.snapshot(),
         }
         try:
+            if self.fence is not None:
+                self.fence()  # a driver that was taken over no longer says it runs the job
             self.run.write_atomic(DRIVER_FILE, json.dumps(body).encode())
         except Exception as exc:  # storage down: the next beat tries again; training goes on
             if not self._logged:

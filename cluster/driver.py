@@ -32,7 +32,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from cluster.api import Result, ray_group_factory
+from cluster.api import Result, ray_group_factory, take_lease
 from cluster.checkpoint import CheckpointStore
 from cluster.config import JobConfig, Window, merge_windows, skip_windows
 from cluster.control import (
@@ -53,6 +53,7 @@ from cluster.errors import (
     TrainingFailedError,
 )
 from cluster.group import EpochResult, GroupFactory, Salvage, StartCancelled, WorkerGroup
+from cluster.lease import GENERATION_ENV, Lease
 from cluster.moves import Cancel, Decision, GrowNow, MoveWatch, Prepare, StopFor
 from cluster.peer import PeerPlan, plan_recovery
 from cluster.policy import FailurePolicy, HangWatch
@@ -94,8 +95,13 @@ class Driver:
         policy: FailurePolicy | None = None,
         out: TextIO | None = None,
         poll_s: float = 1.0,
+        takeover: bool = False,
+        lease: Lease | None = None,
     ) -> None:
         self.cfg = cfg
+        self.takeover = takeover
+        self.lease = lease
+        """The run's lease (``cluster.lease``): taken in ``run`` unless given, released when it ends."""
         self.group_factory = group_factory or ray_group_factory
         self.policy = policy or FailurePolicy(cfg.failures)
         self.poll_s = poll_s
@@ -148,9 +154,26 @@ class Driver:
         self.control.request_stop(reason)
 
     def run(self) -> Result:
+        lease = self.lease = self.lease or take_lease(self.cfg, self.takeover, self.record.print)
+        lease.start()
+        try:
+            return self._run(lease)
+        finally:
+            lease.release()
+
+    def _run(self, lease: Lease) -> Result:
+        """Everything the run writes is fenced by ``lease``: once another job took the run over, the next
+        trusted write raises FencedError and the run ends without writing more."""
+        self.record.events.fence = lease.check
         self._prepare_storage()
-        self.record.event("run_start", attempt=self.attempt, config=self.cfg.to_dict())
-        beat = DriverBeat(self.control.storage, self._beat_fields)  # `list`/`show` see a driver is alive
+        self.record.event(
+            "run_start",
+            attempt=self.attempt,
+            config=self.cfg.to_dict(),
+            lease=lease.generation,
+            took_over=lease.took_over.describe() if lease.took_over is not None else None,
+        )
+        beat = DriverBeat(self.control.storage, self._beat_fields, fence=lease.check)  # `list`/`show`
         beat.start()
         try:
             self._transition(self._initial_state())
@@ -230,6 +253,8 @@ class Driver:
         if self._probe_token is None:
             self._probe_token = write_probe(self.storage)
         probe_env = {**cfg.scaling.env, PROBE_ENV: self._probe_token}
+        if self.lease is not None:  # rank 0's commits check that no newer generation took the run over
+            probe_env[GENERATION_ENV] = str(self.lease.generation)
         group_cfg = dataclasses.replace(cfg, scaling=dataclasses.replace(cfg.scaling, env=probe_env))
         group = self.group = self.group_factory(group_cfg, self.run_url, self.attempt)
         if s.salvage is not None:
@@ -310,6 +335,8 @@ class Driver:
                     return self._halted(s, results[0], wall_s)
                 self._watch_moves(running=False)  # epochs shorter than the heartbeat interval
                 return self._epoch_done(s, results[0], wall_s)
+            if self.lease is not None and self.lease.fenced_by is not None:
+                self.lease.check()  # taken over: raises FencedError, the run ends without writing more
             hung = self._heartbeat(watch)
             if hung is not None:
                 self.mode = None

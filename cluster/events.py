@@ -345,7 +345,12 @@ KINDS: dict[str, Kind] = _kinds(
     Kind(
         "run_start",
         "a submission starts (every job that trains the run writes one first)",
-        {"attempt": "the attempt this submission starts at", "config": "its resolved config (redacted)"},
+        {
+            "attempt": "the attempt this submission starts at",
+            "config": "its resolved config (redacted)",
+            "lease": "the run's lease generation it holds (one writer per run)",
+            "took_over": "the job it took the run from, when that job's lease was not released",
+        },
         lambda r: f"run started: attempt {r.get('attempt')}",
         watch=True,
     ),

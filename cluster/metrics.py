@@ -127,6 +127,8 @@ class EventLog:
         self.segment_s = segment_s
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
         """Called with every record after it is stored (the driver's tracking)."""
+        self.fence: Callable[[], None] | None = None
+        """Called before each write: raises when this writer may no longer write (``cluster.lease``)."""
         self._records = read_event_log(storage)
         names = segment_names(storage)
         self._seq = int(names[-1][: -len(".jsonl")]) if names else 0
@@ -150,6 +152,8 @@ class EventLog:
             self._lines = []
             self._opened_at = now
         self._lines.append(json.dumps(record, default=str))
+        if self.fence is not None:
+            self.fence()
         self.storage.write_atomic(self.segment, ("\n".join(self._lines) + "\n").encode())
         self._records.append(json.loads(self._lines[-1]))
         for listener in self.listeners:

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import getpass
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.checkpoint import CheckpointStore
 from cluster.errors import CheckpointError, ConfigError
-from cluster.inspect.runs import RUNNING, live_status, read_events
+from cluster.lease import Lease, LeaseHeldError
 from cluster.load import load_checkpoint
 from cluster.metrics import EventLog
 from cluster.storage import Storage
@@ -28,28 +29,47 @@ class Rewind:
 
 
 def rewind(
-    run_url: str, step: int, storage_options: dict[str, Any] | None = None, apply: bool = False
+    run_url: str,
+    step: int,
+    storage_options: dict[str, Any] | None = None,
+    apply: bool = False,
+    say: Callable[[str], None] | None = None,
 ) -> Rewind:
     """Verify the checkpoint at ``step`` of the run at ``run_url`` and list the newer ones; with ``apply``,
-    delete them (each manifest first, as retention does) and record a ``rewound`` event.
+    delete them (each manifest first, as retention does) and record a ``rewound`` event, holding the run's
+    lease meanwhile (``cluster.lease``: a job whose lease is not released is watched for a few beats).
     ConfigError while a job trains the run; CheckpointError when ``step`` has no verified checkpoint."""
     storage = Storage(run_url, storage_options)
-    status = live_status(storage, read_events(storage))
-    if status == RUNNING:
+    if not apply:
+        return _plan(storage, step, storage_options)
+    try:  # the run's lease: no job trains it meanwhile, and one that was taken over cannot write after
+        lease = Lease.take(storage, f"rewind by {_who()}", say=say)
+    except LeaseHeldError as exc:
         raise ConfigError(
-            f"a job is training {storage.root}: stop it first (python -m cluster stop {storage.root} --wait "
-            "600), then rewind"
-        )
+            f"{exc}. Stop it first (python -m cluster stop {storage.root} --wait 600), then rewind"
+        ) from None
+    try:
+        plan = _plan(storage, step, storage_options)
+        if plan.newer:
+            lease.check()
+            plan.newer = CheckpointStore(storage).discard_after(step)
+            log = EventLog(storage)
+            log.fence = lease.check
+            log.append("rewound", to_step=step, deleted=plan.newer, by=_who())
+        plan.done = True
+        return plan
+    finally:
+        lease.release()
+
+
+def _plan(storage: Storage, step: int, storage_options: dict[str, Any] | None) -> Rewind:
     try:
         load_checkpoint(storage.root, step, storage_options)  # verifies every file
     except CheckpointError as exc:
         raise CheckpointError(f"cannot rewind to step {step}: {exc}") from None
     store = CheckpointStore(storage)
-    plan = Rewind(storage.root, step, [s for s in store.steps_on_storage() if s > step])
-    if apply and plan.newer:
-        plan.newer = store.discard_after(step)
-        EventLog(storage).append(
-            "rewound", to_step=step, deleted=plan.newer, by=f"{getpass.getuser()}@{socket.gethostname()}"
-        )
-    plan.done = apply
-    return plan
+    return Rewind(storage.root, step, [s for s in store.steps_on_storage() if s > step])
+
+
+def _who() -> str:
+    return f"{getpass.getuser()}@{socket.gethostname()}"

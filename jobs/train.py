@@ -33,7 +33,8 @@ import signal
 import sys
 
 from cluster import ClusterError, ConfigError, load_config, local_ray, train
-from cluster.api import ensure_ray, preflight, result_to_json
+from cluster.api import ensure_ray, preflight, result_to_json, take_lease
+from cluster.lease import LeaseHeldError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,6 +55,12 @@ def main(argv: list[str] | None = None) -> int:
         help="override a config key (dotted, e.g. training.epochs=5; short: name, storage, epochs, workers)",
     )
     p.add_argument("--result-json", help="also write the result object as JSON to this local file")
+    p.add_argument(
+        "--takeover",
+        action="store_true",
+        help="train the run even though another job's lease on it is not released (that job is gone, or is "
+        "fenced out: its writes are refused from then on)",
+    )
     p.add_argument(
         "--dry-run",
         action="store_true",
@@ -95,7 +102,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"config error: {exc}", file=sys.stderr)
             return 2
         return 0
-    started = ensure_ray(cfg)
+    try:
+        lease = take_lease(cfg, args.takeover)  # one job trains a run at a time: before Ray starts
+    except LeaseHeldError as exc:
+        print(f"refused: {exc}", file=sys.stderr)
+        return 2
+    except ClusterError as exc:
+        print(f"training failed: {exc}", file=sys.stderr)
+        return 1
+    try:
+        started = ensure_ray(cfg)
+    except BaseException:
+        lease.release()
+        raise
 
     # Outside `train` (which stops cleanly on a first signal), SIGTERM becomes an exception so the
     # finally-blocks kill the workers; committed checkpoints are never touched. Installed after ray.init,
@@ -105,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        result = train(cfg)
+        result = train(cfg, lease=lease)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
@@ -119,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        lease.release()
         if started:
             local_ray.shutdown()
     if args.result_json:

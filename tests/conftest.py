@@ -15,6 +15,9 @@ import pytest
 os.environ["RAY_AUTH_MODE"] = "disabled"
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# A job killed with its run's lease unreleased is taken over once its beat stood still for 2.5 beats: 2.5 s
+# here (12.5 s by default), so that resubmissions after a kill do not each wait the default.
+os.environ.setdefault("CLUSTER_LEASE_BEAT_S", "1")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:

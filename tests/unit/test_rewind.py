@@ -4,6 +4,7 @@ deleted only with --yes, and the event log says who did it."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -11,8 +12,8 @@ import torch
 
 from cluster.__main__ import main
 from cluster.checkpoint import CheckpointStore, serialize
-from cluster.control import DriverBeat
 from cluster.inspect import format_show, read_events, report
+from cluster.lease import FencedError, Lease
 from cluster.storage import Storage
 
 pytestmark = pytest.mark.timeout(60)
@@ -50,16 +51,37 @@ def test_rewind_lists_then_deletes_the_newer_checkpoints(
 
 
 def test_rewind_refuses_a_missing_step_and_a_run_a_job_trains(
-    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = make_run(tmp_path)
     assert main(["rewind", run, "--to", "25", "--yes"]) == 2
     assert "cannot rewind to step 25: no checkpoint at step 25" in capsys.readouterr().err
-    beat = DriverBeat(Storage(run), lambda: {"state": "running", "global_step": 41}, every_s=60)
-    beat.start()
+    monkeypatch.setenv("CLUSTER_LEASE_BEAT_S", "0.2")
+    job = Lease.take(Storage(run), "the training job")  # a live job: its lease beats
+    job.start()
     try:
         assert main(["rewind", run, "--to", "20", "--yes"]) == 2
-        assert "a job is training" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "another job is training" in err and "the training job" in err and "Stop it first" in err
     finally:
-        beat.stop()
+        job.release()
     assert CheckpointStore(Storage(run)).steps_on_storage() == [10, 20, 30, 40]
+    assert main(["rewind", run, "--to", "20", "--yes"]) == 0  # released: rewound at once
+
+
+def test_rewind_takes_a_run_whose_job_is_gone_whatever_the_clocks_say(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A job killed with its lease unreleased: its beat stands still, so rewind takes the run after watching
+    it for a few beats on this machine's clock, even when the job's host clock was hours ahead (its
+    ``since`` in the future) or behind."""
+    run = make_run(tmp_path)
+    monkeypatch.setenv("CLUSTER_LEASE_BEAT_S", "0.2")
+    gone = Lease.take(Storage(run), "a killed job")
+    gone.since = time.time() + 3 * 3600  # its clock was three hours ahead: irrelevant
+    Storage(run).write_bytes("lease/gen_000001.json", gone._body(released=False))
+    assert main(["rewind", run, "--to", "20", "--yes"]) == 0
+    assert "watching its beat" in capsys.readouterr().out
+    assert CheckpointStore(Storage(run)).steps_on_storage() == [10, 20]
+    with pytest.raises(FencedError):
+        gone.check()  # the killed job, were it to wake up, can no longer write

@@ -1,0 +1,117 @@
+"""One writer per run (cluster.lease): a live job refuses a second one, a gone one is taken over after its
+beat stood still on the reader's own clock, and a job that was taken over can no longer write."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from cluster.control import DRIVER_FILE, DriverBeat
+from cluster.lease import FencedError, Lease, LeaseHeldError, current, generations
+from cluster.metrics import EventLog
+from cluster.storage import Storage
+
+pytestmark = [pytest.mark.timeout(60)]
+
+
+@pytest.fixture
+def run(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Storage:
+    monkeypatch.setenv("CLUSTER_LEASE_BEAT_S", "0.2")
+    return Storage(str(tmp_path / "run"))
+
+
+def test_a_live_job_refuses_a_second_naming_itself_and_a_released_one_lets_it_in(run: Storage) -> None:
+    first = Lease.take(run, "raysubmit_first")
+    first.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(LeaseHeldError) as err:
+            Lease.take(run, "raysubmit_second")
+        assert time.monotonic() - t0 < 5  # a couple of beats watched, no more
+        text = str(err.value)
+        assert "raysubmit_first" in text and "generation 1" in text and "--takeover" in text
+        assert generations(run) == [1]  # the refused job wrote nothing
+    finally:
+        first.release()
+    holder = current(run)
+    assert holder is not None and holder.released
+    second = Lease.take(run, "raysubmit_second")  # at once: released
+    assert second.generation == 2 and second.took_over is None
+    second.release()
+
+
+def test_a_job_whose_beat_stands_still_is_taken_over_and_fenced_out(run: Storage) -> None:
+    """A killed driver (or a SIGSTOPped one) leaves its lease unreleased and no longer beats: the next job
+    watches a few beats, takes the run, and the old one's writes are refused from then on, also after it
+    wakes up."""
+    old = Lease.take(run, "old")  # never started: it does not beat, like a process that was stopped
+    new = Lease.take(run, "new")
+    assert new.generation == 2 and new.took_over is not None and new.took_over.job == "old"
+    new.check()  # the holder may write
+    with pytest.raises(FencedError, match="taken over by job new"):
+        old.check()
+    log = EventLog(run)
+    log.fence = old.check
+    with pytest.raises(FencedError):
+        log.append("checkpoint", step=9)
+    assert not any(r["event"] == "checkpoint" for r in EventLog(run).records())  # nothing written
+    old._beat()  # the old beat thread waking up: it stops, and writes nothing
+    assert old._stop.is_set() and current(run).job == "new"  # type: ignore[union-attr]
+    old.release()  # not ours any more: the new holder's lease stays as it is
+    assert not current(run).released  # type: ignore[union-attr]
+    new.release()
+
+
+def test_takeover_does_not_wait_and_fences_even_a_live_job(run: Storage) -> None:
+    live = Lease.take(run, "live")
+    live.start()
+    try:
+        t0 = time.monotonic()
+        taker = Lease.take(run, "taker", takeover=True)
+        assert time.monotonic() - t0 < 1 and taker.generation == 2
+        time.sleep(0.6)  # the live job's next beat sees the newer generation
+        assert live.fenced_by is not None and live.fenced_by.job == "taker"
+        with pytest.raises(FencedError):
+            live.check()
+        taker.release()
+    finally:
+        live.release()
+
+
+def test_two_jobs_racing_for_a_run_get_different_generations(run: Storage) -> None:
+    """Each generation's file is created exclusively: of two jobs starting together, one holds generation 1
+    and the other is refused (it sees the first beat) or holds generation 2, never both generation 1."""
+    won: list[int] = []
+    refused: list[str] = []
+
+    def start(job: str) -> None:
+        try:
+            lease = Lease.take(run, job)
+            lease.start()
+            won.append(lease.generation)
+            time.sleep(2)
+            lease.release()
+        except LeaseHeldError as exc:
+            refused.append(str(exc))
+
+    threads = [threading.Thread(target=start, args=(f"job{i}",)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(won) == len(set(won)) and won  # never one generation twice
+    assert len(won) + len(refused) == 2
+
+
+def test_a_driver_that_was_taken_over_no_longer_says_it_runs_the_job(run: Storage) -> None:
+    old = Lease.take(run, "old")
+    beat = DriverBeat(run, lambda: {"state": "running"}, every_s=60, fence=old.check)
+    beat.start()
+    assert run.exists(DRIVER_FILE)
+    run.rm(DRIVER_FILE)
+    Lease.take(run, "new", takeover=True)
+    beat.stop()  # its last write is refused
+    assert not run.exists(DRIVER_FILE)
