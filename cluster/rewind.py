@@ -53,9 +53,9 @@ def rewind(
         if plan.newer:
             lease.check()
             plan.newer = CheckpointStore(storage).discard_after(step)
-            log = EventLog(storage)
-            log.fence = lease.check
-            log.append("rewound", to_step=step, deleted=plan.newer, by=_who())
+            events = EventLog(storage)
+            events.fence = lease.check
+            events.append("rewound", to_step=step, deleted=plan.newer, by=_who())
         plan.done = True
         return plan
     finally:
