@@ -8,6 +8,7 @@ and says what to change, before anything is started or written.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import types
@@ -253,6 +254,14 @@ class FailureConfig:
 
 
 @dataclass
+class MetricsConfig:
+    flush_s: float = 30.0
+    """Step rows reach storage at least this often while an epoch trains, each time as a file of their own
+    written atomically: a driver killed mid-epoch (``ray job stop`` past its wait, an OOM, a lost head node)
+    loses at most this window of rows. 0: at every heartbeat."""
+
+
+@dataclass
 class TrackingConfig:
     tensorboard: bool = False
     """Write TensorBoard event files into ``<run>/tensorboard/`` on any storage (docs/runs.md)."""
@@ -299,6 +308,7 @@ class JobConfig:
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     failures: FailureConfig = field(default_factory=FailureConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     @property
     def effective_min_workers(self) -> int:
@@ -494,6 +504,7 @@ def validate(cfg: JobConfig) -> None:
     _validate_evaluation(cfg.evaluation, cfg.checkpoint)
     _validate_failures(cfg.failures)
     _validate_tracking(cfg.tracking)
+    _validate_metrics(cfg.metrics)
     _validate_injected_faults(cfg.failures.inject, cfg.scaling.num_workers)
 
 
@@ -721,6 +732,13 @@ def resolve_notify_url(tr: TrackingConfig) -> str | None:
             "(with ray job submit, pass it in --runtime-env-json env_vars)"
         )
     return value
+
+
+def _validate_metrics(m: MetricsConfig) -> None:
+    if not math.isfinite(m.flush_s) or m.flush_s < 0:
+        raise ConfigError(
+            f"metrics.flush_s={m.flush_s!r}: must be a number of seconds >= 0 (0: at every heartbeat)"
+        )
 
 
 def _validate_tracking(tr: TrackingConfig) -> None:

@@ -649,7 +649,7 @@ class Driver:
         """One heartbeat round; keeps the step rows rank 0 streams with it."""
         assert self.group is not None
         beats = self.group.heartbeats(timeout=timeout)
-        self.record.beat_rows(beats)
+        self.record.beat_rows(beats, self.epoch, self.attempt)
         return beats
 
     def _announce_spare(self) -> None:

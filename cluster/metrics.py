@@ -30,6 +30,8 @@ from __future__ import annotations
 import array
 import itertools
 import json
+import logging
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -39,6 +41,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cluster.storage import Storage
+
+logger = logging.getLogger(__name__)
 
 SCHEMA = pa.schema(
     [
@@ -160,13 +164,22 @@ class EventLog:
             listener(record)
         return record
 
+    @property
+    def count(self) -> int:
+        """Events stored so far (every submission's): a metrics file's ``seq``."""
+        return len(self._records)
+
     def records(self) -> list[dict[str, Any]]:
         """Every event of the run so far, earlier submissions included, as stored (JSON round trip)."""
         return list(self._records)
 
 
-def write_metrics(storage: Storage, rows: list[dict[str, Any]], epoch: int, attempt: int) -> str | None:
-    """Write rows as one Parquet file under ``metrics/``; return its relative path."""
+def write_metrics(
+    storage: Storage, rows: list[dict[str, Any]], epoch: int, attempt: int, seq: int | None = None
+) -> str | None:
+    """Write rows as one Parquet file under ``metrics/`` (atomically: a reader never sees half of it); return
+    its relative path. ``seq``: how many events the run's log held when the rows were written, so that a
+    reader orders rows and events without comparing clocks (:func:`cluster.inspect.runs.final_path`)."""
     if not rows:
         return None
     schema = schema_for(rows)
@@ -175,8 +188,9 @@ def write_metrics(storage: Storage, rows: list[dict[str, Any]], epoch: int, atte
     )
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
-    rel = f"metrics/steps-e{epoch:05d}-a{attempt:03d}-{int(time.time() * 1000)}.parquet"
-    storage.write_bytes(rel, sink.getvalue().to_pybytes())
+    tag = f"-s{seq:09d}" if seq is not None else ""
+    rel = f"metrics/steps-e{epoch:05d}-a{attempt:03d}{tag}-{int(time.time() * 1000)}.parquet"
+    storage.write_atomic(rel, sink.getvalue().to_pybytes())
     return rel
 
 
@@ -199,12 +213,35 @@ def _column(values: list[Any], typ: pa.DataType) -> pa.Array:
     return pa.Array.from_buffers(typ, n, [bitmap, pa.py_buffer(array.array(code, (v or 0 for v in values)))])
 
 
+def read_metric_parts(storage: Storage) -> list[tuple[int | None, pa.Table]]:
+    """Each metrics file as ``(seq, table)`` (``seq``: see :func:`write_metrics`; None for files written by
+    earlier versions). A torn or unreadable file is left out with a warning: the rest of the run reads."""
+    parts: list[tuple[int | None, pa.Table]] = []
+    for name in sorted(f for f in storage.listdir("metrics") if f.endswith(".parquet")):
+        try:
+            table = pq.read_table(pa.BufferReader(storage.read_bytes(f"metrics/{name}")))
+        except (pa.ArrowException, OSError) as exc:
+            logger.warning(
+                "skipping %s: it does not read as Parquet (%s)", storage.url(f"metrics/{name}"), exc
+            )
+            continue
+        match = _SEQ_RE.search(name)
+        parts.append((int(match.group(1)) if match else None, table))
+    return parts
+
+
+_SEQ_RE = re.compile(r"-s(\d{9})-")
+
+
 def read_metrics(storage: Storage) -> pa.Table:
-    files = [f for f in storage.listdir("metrics") if f.endswith(".parquet")]
-    if not files:
+    return concat_metrics([t for _, t in read_metric_parts(storage)])
+
+
+def concat_metrics(tables: list[pa.Table]) -> pa.Table:
+    """Metrics files as one table in time order. Files of different epochs or tasks may carry different
+    extra-metric columns: missing ones are null."""
+    if not tables:
         return SCHEMA.empty_table()
-    tables = [pq.read_table(pa.BufferReader(storage.read_bytes(f"metrics/{f}"))) for f in files]
-    # Files of different epochs or tasks may carry different extra-metric columns: missing ones are null.
     return pa.concat_tables(tables, promote_options="default").sort_by("time")
 
 

@@ -53,6 +53,7 @@ class RunRecord:
         self.last_eval: dict[str, Any] | None = None
         self.last_metrics: dict[str, Any] = {}
         self.slow_reports: list[dict[str, Any]] = []
+        self._flushed_at = time.monotonic()  # rows last written (``metrics.flush_s``)
 
     # ------------------------------------------------------------------ the run's files
     def open(self) -> None:
@@ -208,13 +209,22 @@ class RunRecord:
         )
 
     # ------------------------------------------------------------------ training
-    def beat_rows(self, beats: list[Any]) -> None:
-        """The step rows rank 0 streams with its heartbeats: kept until written, tracked at once."""
+    def beat_rows(self, beats: list[Any], epoch: int, attempt: int) -> None:
+        """The step rows rank 0 streams with its heartbeats: tracked at once, and written at least every
+        ``metrics.flush_s`` (each time as a file of their own), so a driver killed mid-epoch loses at most
+        that window of them."""
         for b in beats:
             if b is not None and b.rows:
                 rows = self.arrived(b.rows)
                 self.rows.extend(rows)
                 self.track([{"kind": "step", **r} for r in rows])  # live in TensorBoard / MLflow
+        if self.rows and time.monotonic() - self._flushed_at >= self.cfg.metrics.flush_s:
+            rows, self.rows = self.rows, []
+            self._write([{"kind": "step", **r} for r in rows], epoch, attempt)
+
+    def _write(self, rows: list[dict[str, Any]], epoch: int, attempt: int) -> None:
+        write_metrics(self.storage, rows, epoch, attempt, seq=self.events.count)
+        self._flushed_at = time.monotonic()
 
     def arrived(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Metric rows as rank 0 hands them over; each new evaluation is recorded (event, console line)
@@ -284,9 +294,7 @@ class RunRecord:
         }
         streamed, self.rows = self.rows, []  # tracked as their heartbeats brought them
         unstreamed = [{"kind": "step", **r} for r in self.arrived(head.step_rows)] + [epoch_row]
-        write_metrics(
-            self.storage, [{"kind": "step", **r} for r in streamed] + unstreamed, head.epoch, attempt
-        )
+        self._write([{"kind": "step", **r} for r in streamed] + unstreamed, head.epoch, attempt)
         self.track(unstreamed)
         self.commits(head.commits)
         self.event(
@@ -318,7 +326,7 @@ class RunRecord:
         streamed, self.rows = self.rows, []
         rows = [{"kind": "step", **r} for r in streamed + self.arrived(head.step_rows)]
         if rows:
-            write_metrics(self.storage, rows, head.epoch, attempt)
+            self._write(rows, head.epoch, attempt)
             self.track(rows[len(streamed) :])
         self.commits(head.commits)
 
@@ -328,7 +336,7 @@ class RunRecord:
         rows, self.rows = self.rows + more, []
         if rows:
             step_rows = [{"kind": "step", **r} for r in rows]
-            write_metrics(self.storage, step_rows, epoch, attempt)
+            self._write(step_rows, epoch, attempt)
             self.track(step_rows[len(rows) - len(more) :])  # the heartbeats' rows are tracked already
 
     def commits(self, commits: list[CommitRecord]) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 from cluster.checkpoint import CheckpointInfo, CheckpointStore, best_of, score_of
 from cluster.control import DRIVER_GONE_S, driver_seen
 from cluster.errors import CheckpointError, ClusterError, StorageError
-from cluster.metrics import read_event_log, read_metrics
+from cluster.metrics import concat_metrics, read_event_log, read_metric_parts
 from cluster.storage import Storage, join, normalize_url
 
 FINISHED, FAILED, UNFINISHED = "finished", "failed", "running/interrupted"
@@ -111,7 +111,13 @@ def final_path(rows: list[dict[str, Any]], events: list[dict[str, Any]]) -> list
     """The metric rows of the path the run took, in step order: a row is left out when the run later went
     back past its step (a group started from an earlier step: a recovery that replayed it, a NaN rollback
     that abandoned it; or a ``rewound`` run), so that each step's row of each kind appears once, as the
-    weights that were kept saw it."""
+    weights that were kept saw it.
+
+    "Later" is read without clocks where the rows say where they were written (``_seq``: how many events the
+    log held then, see ``cluster.metrics.write_metrics``): a rank's clock behind the driver's drops nothing.
+    Rows of earlier versions, without it, are placed by their time."""
+    if rows and all(isinstance(r.get("_seq"), int) for r in rows):
+        return _final_by_seq(rows, events)
     backs = sorted(
         (float(e["time"]), int(e["resume_step"] if e.get("event") == "group_started" else e["to_step"]))
         for e in events
@@ -127,18 +133,39 @@ def final_path(rows: list[dict[str, Any]], events: list[dict[str, Any]]) -> list
     return sorted(kept, key=lambda r: (r["global_step"], r["time"]))
 
 
+def _back_step(e: dict[str, Any]) -> int | None:
+    """The step a ``group_started`` or ``rewound`` event went back to, or None."""
+    if e.get("event") == "group_started" and isinstance(e.get("resume_step"), int):
+        return int(e["resume_step"])
+    if e.get("event") == "rewound" and isinstance(e.get("to_step"), int):
+        return int(e["to_step"])
+    return None
+
+
+def _final_by_seq(rows: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """:func:`final_path` by the event count each row's file was written at."""
+    later_min = [float("inf")] * (len(events) + 1)  # the lowest step gone back to at event index >= i
+    for i in range(len(events) - 1, -1, -1):
+        back = _back_step(events[i])
+        later_min[i] = min(later_min[i + 1], back if back is not None else float("inf"))
+    kept = [r for r in rows if r["global_step"] <= later_min[min(int(r["_seq"]), len(events))]]
+    return sorted(kept, key=lambda r: (r["global_step"], r["time"]))
+
+
 def run_metrics(run_url: str, storage_options: dict[str, Any] | None = None, final: bool = True) -> Any:
     """The run's metrics as a ``pyarrow.Table`` (columns: docs/runs.md): with ``final``, only the rows of
     the path the run took (:func:`final_path`: no replayed, rolled-back or rewound rows), in step order;
     else every row written."""
     storage = Storage(run_url, storage_options)
-    table = read_metrics(storage)
+    parts = read_metric_parts(storage)
+    table = concat_metrics([t for _, t in parts])
     if not final:
         return table
     import pyarrow as pa
 
-    rows = final_path(table.to_pylist(), read_events(storage))
-    return pa.Table.from_pylist(rows, schema=table.schema)
+    rows = [{**r, "_seq": seq} for seq, part in parts for r in part.to_pylist()]
+    kept = [{k: v for k, v in r.items() if k != "_seq"} for r in final_path(rows, read_events(storage))]
+    return pa.Table.from_pylist(kept, schema=table.schema)
 
 
 def read_run_json(storage: Storage) -> dict[str, Any]:
