@@ -46,7 +46,7 @@ from cluster.data import InputPipeline, ResumableDistributedSampler
 from cluster.errors import ConfigError, DivergedError, WorkerError
 from cluster.evaluate import eval_batch_count
 from cluster.faults import Faults
-from cluster.group import EpochResult, Heartbeat, SetupInfo
+from cluster.group import EpochResult, Heartbeat, ResumePoint, SetupInfo
 from cluster.pace import StepPace
 from cluster.peer import PeerPlan, PeerState
 from cluster.process import set_niceness, tune_process
@@ -269,7 +269,7 @@ class Worker:
         sampler: ResumableDistributedSampler,
         store: CheckpointStore,
         t: dict[str, float],
-    ) -> tuple[DDP, torch.optim.Optimizer, Scheduler | None, Any, list[tuple[int, str]]]:
+    ) -> tuple[DDP, torch.optim.Optimizer, Scheduler | None, ResumePoint, list[tuple[int, str]]]:
         """Wrap the model and take the state to resume from (a peer's or a checkpoint's): the new
         position becomes ``self.pos``."""
         cfg, seed = self.cfg, self.cfg.training.seed
@@ -279,9 +279,8 @@ class Worker:
                 optimizer, scheduler = kept.optimizer, kept.scheduler
             else:
                 optimizer, scheduler = self._optimizer(raw_model, total_steps)
-            self._last_checkpoint = (
-                -1
-            )  # the same on every rank (a survivor's own may differ from a newcomer's)
+            # the same on every rank (a survivor's own may differ from a newcomer's)
+            self._last_checkpoint = -1
             resume, self.pos = recovery.receive(
                 peers, self.rank, self.world_size, seed, device, raw_model, optimizer, scheduler, self.pos
             )
