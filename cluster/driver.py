@@ -297,6 +297,7 @@ class Driver:
             self.record.rollback(r.rollback, r.global_step)
         self._rollback = None
         self.record.group_started(self.attempt, infos, t_ready - t0, group.spare_note, self.steps_per_epoch)
+        self.record.started()
         self._spare_announced = False
         self.moves.new_group(infos)
         self._eval_total = head.eval_batches

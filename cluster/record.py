@@ -34,6 +34,8 @@ from cluster.tracking import MlflowSink, Sink, TensorBoardSink, Tracker, Webhook
 
 logger = logging.getLogger(__name__)
 
+SUBMISSIONS = "submissions"
+
 __version__ = "0.1.0"
 
 
@@ -54,10 +56,13 @@ class RunRecord:
         self.last_metrics: dict[str, Any] = {}
         self.slow_reports: list[dict[str, Any]] = []
         self._flushed_at = time.monotonic()  # rows last written (``metrics.flush_s``)
+        self._created = time.time()
+        self._started = False
 
     # ------------------------------------------------------------------ the run's files
     def open(self) -> None:
-        """``run.json`` (written by the run's first driver; later ones check their config against it), the
+        """``run.json`` (written by the run's first driver; later ones check their config against it and
+        rewrite it once they started: :meth:`started`), this submission's config in ``submissions/``, the
         evaluations already recorded, and the tracking sinks."""
         try:
             previous = json.loads(self.storage.read_bytes("run.json"))
@@ -68,22 +73,41 @@ class RunRecord:
             self.evaluated = {
                 int(r["global_step"]) for r in self.events.records() if r.get("event") == "evaluation"
             }
+            self._created = float(previous.get("created") or time.time())
         else:
-            info = {
-                "name": self.cfg.name,
-                "created": time.time(),
-                "config": self.cfg.to_dict(),
-                "versions": {
-                    "cluster": __version__,
-                    "torch": torch.__version__,
-                    "ray": _ray_version(),
-                    "python": platform.python_version(),
-                },
-            }
-            self.storage.write_atomic("run.json", json.dumps(info, indent=1, default=str).encode())
+            self._write_run_json()
+        self._submit()
         self.tracker = self._make_tracker()
         if self.tracker is not None:
             self.events.listeners.append(self.tracker.event)
+
+    def _write_run_json(self) -> None:
+        info = {
+            "name": self.cfg.name,
+            "created": self._created,
+            "config": self.cfg.to_dict(),
+            "versions": {
+                "cluster": __version__,
+                "torch": torch.__version__,
+                "ray": _ray_version(),
+                "python": platform.python_version(),
+            },
+        }
+        self.storage.write_atomic("run.json", json.dumps(info, indent=1, default=str).encode())
+
+    def _submit(self) -> None:
+        """``submissions/NNNNNN.json``: each submission's config (redacted as in run.json), in order."""
+        numbers = [int(n[:-5]) for n in self.storage.listdir(SUBMISSIONS) if n[:-5].isdigit()]
+        number = max(numbers, default=0) + 1
+        body = {"submission": number, "time": time.time(), "config": self.cfg.to_dict()}
+        self.storage.write_atomic(f"{SUBMISSIONS}/{number:06d}.json", json.dumps(body, default=str).encode())
+
+    def started(self) -> None:
+        """A group of this submission set up and started (its checkpoint loaded into its model): ``run.json``
+        now says this submission's config, the one the run continues with."""
+        if not self._started:
+            self._started = True
+            self._write_run_json()
 
     def _make_tracker(self) -> Tracker | None:
         tr = self.cfg.tracking
