@@ -1,11 +1,14 @@
 """``StepPace`` under real DDP over a real gloo group of two processes: a rank that is slower in its own part
-of the step (here 40 ms of input wait) shows it in ``compute_s``; the other rank's ``compute_s`` leaves
+of the step (here 200 ms of input wait) shows it in ``compute_s``; the other rank's ``compute_s`` leaves
 out the time it waits for it, though both ranks' steps last the same: in the gradient all-reduce, and, for
-a model with buffers, in DDP's buffer broadcast at the start of each forward."""
+a model with buffers, in DDP's buffer broadcast at the start of each forward.
+
+Each rank computes on one thread, and the lag is many times a step's own work (a tiny model); each bound
+lies half a lag from both the right measure and the wrong one (one that counted the wait): what a busy
+machine adds to the ranks' own work moves no result across a bound."""
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 import traceback
@@ -22,12 +25,14 @@ from cluster.pace import StepPace
 
 pytestmark = pytest.mark.timeout(120)
 
-LAG_S, STEPS = 0.04, 12
+LAG_S, STEPS = 0.2, 12
 
 
 def _rank(rank: int, port: int, buffers: bool, q: Any) -> None:
     try:
-        os.environ["OMP_NUM_THREADS"] = "1"
+        # One intra-op thread (OMP_NUM_THREADS here would come too late: torch is imported): on a busy
+        # machine a pool's threads wait for a preempted sibling, which stretches a step's own part
+        torch.set_num_threads(1)
         store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
         torch.manual_seed(0)
@@ -75,6 +80,6 @@ def test_the_slow_rank_s_own_part_is_longer_and_the_other_s_excludes_its_wait(bu
         assert not isinstance(got[r], str), got[r]
     fast, slow = got[0], got[1]
     assert fast.steps == slow.steps == STEPS
-    assert slow.compute_s - fast.compute_s > 0.75 * LAG_S, (fast, slow)
+    assert slow.compute_s - fast.compute_s > 0.5 * LAG_S, (fast, slow)  # about LAG_S; 0 if it counted waits
     # rank 0 waits for rank 1 at every step's all-reduce: its step is as long, its own part is not
-    assert fast.step_s > 0.75 * LAG_S and fast.compute_s < fast.step_s - 0.5 * LAG_S, fast
+    assert fast.step_s > 0.5 * LAG_S and fast.compute_s < fast.step_s - 0.5 * LAG_S, fast

@@ -208,12 +208,13 @@ def test_a_slow_rank_is_named_with_its_host_and_cleared_never_on_the_others(
     assert result.slow_ranks == [{k: v for k, v in e.items() if k not in ("time", "event")}]  # Python API
     host = events(result.run_url, "group_started")[0]["hosts"][0]
     assert e["host"] == host and e["attempt"] == 0 and e["step"] >= 4
-    # its own part: the task's 50 ms sleep, the fault's 50 ms and its compute; the others': 50 ms + compute
-    assert e["compute_ms"] - e["others_ms"] > 35 and e["ratio"] >= 1.5
+    # its own part: the task's 50 ms sleep, the fault's 50 ms and its compute; the others': 50 ms + compute.
+    # The bounds lie half the fault's 50 ms from the right measure and from the wrong one (counting waits)
+    assert e["compute_ms"] - e["others_ms"] > 25 and e["ratio"] >= 1.5
     assert e["step_ms"] >= e["compute_ms"] * 0.9  # every rank's step lasts about as long as the slowest
     assert f"rank 1 on {host} is slow" in out.getvalue()
     assert "its forward and backward" in out.getvalue()  # the fault sleeps outside the input fetch
-    assert e["input_ms"] < 10 and e["others_input_ms"] < 10
+    assert e["input_ms"] < 25 and e["others_input_ms"] < 25  # the fault's 50 ms would show here
     assert not events(result.run_url, "slow_rank_cleared")  # slow to the end
     shown = format_show(report(Storage(result.run_url)))  # python -m cluster show
     assert "slow ranks (1: every rank waited for them at each step)" in shown
