@@ -157,7 +157,7 @@ class RunControl:
             clear_stop_request(run)
         for path in ANSWERED:
             asked = read_request(run, path)
-            if asked is not None and float(asked.get("requested_at", 0)) <= self.started_at:
+            if asked is not None and _time_of(asked, path) <= self.started_at:
                 logger.warning("removing %s, from before this job started: no job was running then", path)
                 take_request(run, path)
 
@@ -258,13 +258,8 @@ def start_profile(
     group: WorkerGroup, record: RunRecord, asked: dict[str, Any], world_size: int, step: int, attempt: int
 ) -> None:
     """Hand a profile request to the ranks it names (``cluster.profiling``); they write the files."""
-    from cluster.profiling import MAX_STEPS
-
     req_id = str(asked.get("id") or uuid.uuid4().hex[:12])
-    steps = min(max(int(asked.get("steps") or 5), 1), MAX_STEPS)
-    wanted = asked.get("ranks")
-    ranks = sorted({int(r) for r in wanted if 0 <= int(r) < world_size}) if wanted else []
-    ranks = ranks or list(range(world_size))
+    steps, ranks = profile_request(asked, world_size)
     folder = f"profiles/{time.strftime('%Y%m%d-%H%M%S')}-{req_id}"
     group.profile(req_id, steps, ranks, folder)
     record.event(
@@ -278,6 +273,40 @@ def start_profile(
         step=step,
         attempt=attempt,
     )
+
+
+def _time_of(asked: dict[str, Any], path: str) -> float:
+    """A request's ``requested_at``; one that is missing or not a number counts as from before the driver
+    (a warning says so): a malformed request never stops the job."""
+    value = asked.get("requested_at", 0)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    logger.warning("%s: requested_at=%r is not a time; taking the request as stale", path, value)
+    return 0.0
+
+
+def profile_request(asked: dict[str, Any], world_size: int) -> tuple[int, list[int]]:
+    """A profile request's steps and ranks, each in range; what does not parse is replaced by the default
+    (every rank, 5 steps) with a warning: a malformed request never stops the job."""
+    from cluster.profiling import MAX_STEPS
+
+    steps_asked = asked.get("steps") or 5
+    try:
+        steps = min(max(int(steps_asked), 1), MAX_STEPS)
+    except (TypeError, ValueError):
+        logger.warning("%s: steps=%r is not a number; profiling 5 steps", PROFILE_FILE, steps_asked)
+        steps = 5
+    wanted = asked.get("ranks")
+    ranks: list[int] = []
+    if isinstance(wanted, list):
+        for r in wanted:
+            if isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world_size:
+                ranks.append(r)
+            else:
+                logger.warning("%s: rank %r is not a rank of this group; left out", PROFILE_FILE, r)
+    elif wanted is not None:
+        logger.warning("%s: ranks=%r is not a list of ranks; profiling every rank", PROFILE_FILE, wanted)
+    return steps, sorted(set(ranks)) or list(range(world_size))
 
 
 def grace_note(reason: str) -> str:

@@ -53,7 +53,7 @@ from cluster.errors import (
     TrainingFailedError,
 )
 from cluster.group import EpochResult, GroupFactory, Salvage, StartCancelled, WorkerGroup
-from cluster.lease import GENERATION_ENV, Lease
+from cluster.lease import GENERATION_ENV, FencedError, Lease
 from cluster.moves import Cancel, Decision, GrowNow, MoveWatch, Prepare, StopFor
 from cluster.peer import PeerPlan, plan_recovery
 from cluster.policy import FailurePolicy, HangWatch
@@ -178,10 +178,13 @@ class Driver:
         try:
             self._transition(self._initial_state())
             while not self.state.is_terminal:
-                self._transition(self._step(self.state))
+                self._transition(self._guarded_step(self.state))
         finally:
             if self.group is not None:
-                self.group.shutdown(graceful=isinstance(self.state, Finished | Stopped))
+                try:
+                    self.group.shutdown(graceful=isinstance(self.state, Finished | Stopped))
+                except Exception as exc:  # the run's outcome stands; its workers go with the job
+                    logger.warning("shutting the workers down failed: %s: %s", type(exc).__name__, exc)
                 self.group = None
             self.record.close_tracking(self.state.name, isinstance(self.state, Finished))
             beat.stop()
@@ -202,6 +205,34 @@ class Driver:
         """The only place the state changes."""
         logger.debug("state %s -> %s (%s)", self.state.name, new.name, new.describe())
         self.state = new
+
+    def _guarded_step(self, state: State) -> State:
+        """``_step``, where an error no state handles (an actor's error or time-out while finishing,
+        resizing, moving or stopping; storage failing past its retries) ends the run as failed with its real
+        cause and a ``run_failed`` event, never a bare traceback with the run left looking interrupted. The
+        errors meant for the user (a config the workers refuse) keep their type; a job that was taken over
+        writes nothing more."""
+        try:
+            return self._step(state)
+        except FencedError:
+            raise
+        except (ConfigError, StorageError) as exc:
+            self._record_failed(exc)
+            raise
+        except Exception as exc:
+            logger.exception("the run fails while %s", state.describe())
+            return self._fail(
+                TrainingFailedError(
+                    f"{type(exc).__name__} while {state.describe()}: {exc}. Checkpoints are intact in "
+                    f"{self.run_url}/checkpoints; rerun the same job to resume."
+                )
+            )
+
+    def _record_failed(self, exc: BaseException) -> None:
+        try:
+            self.record.run_failed(exc)
+        except StorageError as err:  # the error itself is what the user must see
+            logger.warning("could not record the run's failure: %s", err)
 
     def _step(self, state: State) -> State:
         if isinstance(state, Starting):
@@ -374,7 +405,7 @@ class Driver:
         if next_epoch >= cfg.training.epochs:
             return Finishing(loss=head.loss)
         missing = cfg.scaling.num_workers - self.world_size
-        if missing > 0 and self.group is not None and self.group.available_for(missing):
+        if missing > 0 and self.group is not None and self.moves.room_for(self.group, missing):
             return Resizing(new_size=cfg.scaling.num_workers)
         return Running(next_epoch, 0, dispatched_at=time.time())
 
@@ -642,7 +673,7 @@ class Driver:
         return Starting(recovery=timing, salvage=salvage, peers=plan)
 
     def _fail(self, exc: BaseException) -> Failed:
-        self.record.run_failed(exc)
+        self._record_failed(exc)
         return Failed(exc)
 
     # ------------------------------------------------------------------ helpers
@@ -682,7 +713,11 @@ class Driver:
         return min(max(self.poll_s, watch.timeout() / 20), 5 * self.poll_s)
 
     def _result(self) -> Result:
-        infos = CheckpointStore(self.storage).list()
+        try:
+            infos = CheckpointStore(self.storage).list()
+        except StorageError as exc:  # the result is still returned (or its error raised)
+            logger.warning("could not list the run's checkpoints for its result: %s", exc)
+            infos = []
         error = self.state.error if isinstance(self.state, Failed) else None
         stop = self.control.stop
         return Result(

@@ -77,6 +77,7 @@ class MoveWatch:
         self._next_drain_check = 0.0
         self._next_grow_check = 0.0
         self._drain_error_logged = False
+        self._grow_error_logged = False
 
     def new_group(self, infos: list[SetupInfo]) -> None:
         ratio = self.cfg.failures.slow_rank_ratio
@@ -204,4 +205,15 @@ class MoveWatch:
         if missing <= 0 or now < self._next_grow_check:
             return None
         self._next_grow_check = now + GROW_POLL_S
-        return GrowNow() if group.available_for(missing) else None
+        return GrowNow() if self.room_for(group, missing) else None
+
+    def room_for(self, group: WorkerGroup, missing: int) -> bool:
+        """Whether the cluster has room for ``missing`` more workers now; False (with one warning) when Ray
+        cannot be asked: asking must never stop training, and it is asked again later."""
+        try:
+            return group.available_for(missing)
+        except Exception as exc:
+            if not self._grow_error_logged:
+                logger.warning("could not ask Ray for room to grow: %s: %s", type(exc).__name__, exc)
+                self._grow_error_logged = True
+            return False

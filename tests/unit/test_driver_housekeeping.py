@@ -1,0 +1,78 @@
+"""The driver's own housekeeping never fails a worker or crashes the driver (a malformed request, Ray not
+answering a question about room), and a failure while finishing ends the run as failed with its real cause."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from cluster.checkpoint import CommitRecord
+from cluster.control import PROFILE_FILE
+from cluster.errors import TrainingFailedError
+from cluster.inspect import run_status
+from tests.support.fakes import ScriptedGroup, kinds, make
+
+pytestmark = [pytest.mark.timeout(60)]
+
+
+class FinishFails(ScriptedGroup):
+    def finish(self) -> list[CommitRecord]:
+        raise RuntimeError("the actor of rank 1 died while flushing its checkpoint")
+
+
+def test_a_failure_while_finishing_ends_the_run_failed_with_its_cause() -> None:
+    driver, _ = make({}, ["training.epochs=1"], group_cls=FinishFails)
+    with pytest.raises(TrainingFailedError) as err:
+        driver.run()
+    assert "RuntimeError while finishing" in str(err.value) and "rank 1 died" in str(err.value)
+    (failed,) = [e for e in driver.events.records() if e["event"] == "run_failed"]
+    assert "rank 1 died" in failed["error"]
+    assert run_status(driver.events.records()) == "failed"  # not left looking interrupted
+    assert ScriptedGroup.instances[0].shut is False  # the workers were killed, not left running
+
+
+def test_a_malformed_profile_request_is_a_warning_and_the_run_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    driver, _ = make({0: ["busy", "busy"]})
+    driver.storage.write_bytes(
+        PROFILE_FILE, b'{"id": "p1", "steps": "many", "ranks": ["x", 1], "requested_at": 4102444800}'
+    )
+    with caplog.at_level(logging.WARNING, logger="cluster.control"):
+        result = driver.run()
+    assert result.status == "finished" and not result.failures
+    (asked,) = [e for e in driver.events.records() if e["event"] == "profile_requested"]
+    assert asked["steps"] == 5 and asked["ranks"] == [1]
+    assert "steps='many' is not a number" in caplog.text and "rank 'x' is not a rank" in caplog.text
+
+
+def test_requested_at_that_is_not_a_time_is_a_stale_request_not_a_crash(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    driver, _ = make({})
+    driver.storage.write_bytes(PROFILE_FILE, b'{"id": "p1", "requested_at": null}')
+    with caplog.at_level(logging.WARNING, logger="cluster.control"):
+        assert driver.run().status == "finished"
+    assert "requested_at=None is not a time" in caplog.text
+    assert "profile_requested" not in kinds(driver) and not driver.storage.exists(PROFILE_FILE)
+
+
+class RayDoesNotAnswer(ScriptedGroup):
+    def available_for(self, n: int) -> bool:
+        raise ConnectionError("GCS unavailable")
+
+
+def test_ray_not_answering_about_room_to_grow_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """A smaller group (no room for 2) asks Ray for room at heartbeats and epoch ends; Ray failing to answer
+    is logged once and training goes on at the smaller size."""
+    driver, _ = make(
+        {0: ["busy", "busy", "ok", "busy", "ok"]},
+        ["scaling.min_workers=1", "scaling.resource_wait_s=0.1", "training.epochs=2"],
+        capacity=1,
+        group_cls=RayDoesNotAnswer,
+    )
+    with caplog.at_level(logging.WARNING, logger="cluster.moves"):
+        result = driver.run()
+    assert result.status == "finished" and not result.failures and result.world_size == 1
+    assert caplog.text.count("could not ask Ray for room to grow") == 1
