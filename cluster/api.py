@@ -13,6 +13,7 @@ import functools
 import json
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -95,12 +96,15 @@ def ensure_ray(cfg: JobConfig) -> bool:
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
         return True
     s = cfg.scaling
-    local_ray.start(max(os.cpu_count() or 1, int(s.num_workers * s.cpus_per_worker + 0.999)))
+    local_ray.start(
+        max(os.cpu_count() or 1, int(s.num_workers * s.cpus_per_worker + 0.999))
+    )  # fits: preflight
     return True
 
 
 def check_cluster(cfg: JobConfig) -> None:
-    """Fail before anything starts when the cluster can never run this job."""
+    """Fail before anything starts when the cluster can never run this job: GPUs asked for and none there,
+    a custom resource (``scaling.resources_per_worker``) that no node has."""
     import ray
 
     total = ray.cluster_resources()
@@ -109,6 +113,35 @@ def check_cluster(cfg: JobConfig) -> None:
             "scaling.use_gpu=true but the Ray cluster has no GPUs; "
             "set scaling.use_gpu=false to train on CPUs, "
             "or connect to a cluster with GPU nodes (RAY_ADDRESS)"
+        )
+    for name, amount in cfg.scaling.resources_per_worker.items():
+        if total.get(name, 0) < amount:
+            have = ", ".join(sorted(k for k in total if k not in _BUILTIN and not k.startswith("node:")))
+            raise ConfigError(
+                f"scaling.resources_per_worker asks for {amount:g} {name!r} per worker, but no node of the "
+                f"Ray cluster has it (custom resources there: {have or 'none'}); start the nodes with "
+                f"--resources='{{\"{name}\": N}}', or remove it from scaling.resources_per_worker"
+            )
+
+
+_BUILTIN = {"CPU", "GPU", "memory", "object_store_memory", "accelerator_type"}
+
+
+def check_embedded_fits(cfg: JobConfig) -> None:
+    """When the job will start an embedded Ray (no ``RAY_ADDRESS``, none running in this process): the
+    workers' CPUs must fit this machine, else N torch processes would share fewer cores and crawl."""
+    ray = sys.modules.get("ray")
+    if os.environ.get("RAY_ADDRESS") or (ray is not None and ray.is_initialized()):
+        return
+    s, cores = cfg.scaling, os.cpu_count() or 1
+    need = s.num_workers * s.cpus_per_worker
+    if need > cores + 1e-9:
+        fit = int(cores // s.cpus_per_worker) if s.cpus_per_worker > 0 else s.num_workers
+        raise ConfigError(
+            f"scaling.num_workers={s.num_workers} x scaling.cpus_per_worker={s.cpus_per_worker:g} = "
+            f"{need:g} CPUs, but this machine has {cores} and the embedded Ray runs on it alone: "
+            f"{fit} workers of {s.cpus_per_worker:g} CPU fit. Lower scaling.num_workers (or "
+            "scaling.cpus_per_worker, to share cores on purpose), or connect to a Ray cluster (RAY_ADDRESS)"
         )
 
 
@@ -126,6 +159,7 @@ def preflight(cfg: JobConfig, task: type[Task] | None = None) -> None:
         run = Storage(join(normalize_url(cfg.storage.url), cfg.name), cfg.storage.options)
         if not CheckpointStore(run).list():  # a run that resumes from its own checkpoint ignores init_from
             check_init_from(cfg.training.init_from, cfg.training.init_from_step, cfg.storage.options)
+    check_embedded_fits(cfg)
     if cfg.storage.url.strip().lower().startswith("memory://"):
         raise ConfigError(
             f"storage.url={cfg.storage.url!r}: memory:// lives inside one process, and the workers are Ray "
