@@ -304,18 +304,23 @@ class CheckpointStore:
         return None
 
     def _quarantine(self, step: int, why: str) -> None:
-        """Move a checkpoint that failed verification to ``checkpoints/quarantine/step_N/`` (a new name when
-        that is taken): out of every reader's way, kept for whoever investigates."""
+        """Move a checkpoint that failed verification to ``checkpoints/quarantine/``: out of every reader's
+        way, kept for whoever investigates."""
+        dst = self._move_aside(step, QUARANTINE)
+        logger.warning("checkpoint at step %d fails verification, moved to %s: %s", step, dst, why)
+        self.last_quarantined.append((step, f"{why}; moved to {dst}"))
+
+    def _move_aside(self, step: int, folder: str) -> str:
+        """Move ``step_N/`` to ``folder/step_N/`` (``step_N.2/``, ... when taken: nothing there is ever
+        overwritten); returns its new URL."""
         name = step_dir(step).rsplit("/", 1)[1]
-        dst = f"{QUARANTINE}/{name}"
-        n = 1
+        dst, n = f"{folder}/{name}", 1
         while self.storage.exists(dst):
             n += 1
-            dst = f"{QUARANTINE}/{name}.{n}"
-        logger.warning("checkpoint at step %d fails verification, moved to %s: %s", step, dst, why)
+            dst = f"{folder}/{name}.{n}"
         self.storage.move(step_dir(step), dst, last=MANIFEST)
         self._trusted.pop(step, None)
-        self.last_quarantined.append((step, why))
+        return self.storage.url(dst)
 
     def _delete(self, step: int) -> None:
         d = step_dir(step)
@@ -349,13 +354,7 @@ class CheckpointStore:
         return newer
 
     def _set_aside(self, step: int) -> None:
-        name = step_dir(step).rsplit("/", 1)[1]
-        dst, n = f"{DISCARDED}/{name}", 1
-        while self.storage.exists(dst):
-            n += 1
-            dst = f"{DISCARDED}/{name}.{n}"
-        self.storage.move(step_dir(step), dst, last=MANIFEST)
-        self._trusted.pop(step, None)
+        self._move_aside(step, DISCARDED)
         self.last_set_aside.append(step)
 
 
