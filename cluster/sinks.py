@@ -166,6 +166,25 @@ class TensorBoardSink:
 
 
 # ----------------------------------------------------------------------------------------------- MLflow
+TRACKING_FILE = "tracking.json"
+"""The run's MLflow run (``mlflow_uri``, ``mlflow_run_id``), so a resubmission continues it. A file of its
+own: the driver rewrites ``run.json`` while the sink works on its own thread."""
+
+
+def mlflow_run_id(storage: Storage) -> str | None:
+    """The run's MLflow run id: ``tracking.json``, or ``run.json``'s ``tracking`` for runs of earlier
+    versions; None before the first."""
+    for rel, pick in ((TRACKING_FILE, lambda d: d), ("run.json", lambda d: d.get("tracking") or {})):
+        try:
+            data = json.loads(storage.read_bytes(rel))
+        except FileNotFoundError:
+            continue
+        found = pick(data).get("mlflow_run_id") if isinstance(data, dict) else None
+        if found:
+            return str(found)
+    return None
+
+
 class MlflowSink:
     """One MLflow run per run of this product: created at the first send (or continued: its id is kept in
     ``run.json`` under ``tracking``), the resolved config as params (credentials redacted; a value a
@@ -216,8 +235,7 @@ class MlflowSink:
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(tracking_uri=self.uri)
-        run_info = json.loads(self.storage.read_bytes("run.json"))
-        known = run_info.get("tracking", {}).get("mlflow_run_id")
+        known = mlflow_run_id(self.storage)
         run = None
         if known:
             try:
@@ -230,8 +248,8 @@ class MlflowSink:
             run = client.create_run(
                 exp_id, run_name=self.run_name, tags={"cluster.run_url": self.storage.root}
             )
-            run_info["tracking"] = {"mlflow_uri": self.uri, "mlflow_run_id": run.info.run_id}
-            self.storage.write_atomic("run.json", json.dumps(run_info, indent=1, default=str).encode())
+            body = {"mlflow_uri": self.uri, "mlflow_run_id": run.info.run_id}
+            self.storage.write_atomic(TRACKING_FILE, json.dumps(body, indent=1).encode())
         else:
             client.update_run(run.info.run_id, status="RUNNING")
         self.run_id = run.info.run_id

@@ -23,6 +23,7 @@ from cluster.checkpoint import CheckpointStore, step_dir
 from cluster.errors import Failure
 from cluster.inspect import read_events
 from cluster.metrics import read_metrics
+from cluster.sinks import mlflow_run_id
 from cluster.storage import Storage
 from tests.support.fakes import Hook, RowsGroup, make
 
@@ -135,7 +136,7 @@ def test_a_real_job_in_mlflow_and_tensorboard_and_its_resubmission(
     )
     assert "SECRET" not in json.dumps(read_events(Storage(first.run_url)))
     storage = Storage(first.run_url)
-    run_id = json.loads(storage.read_bytes("run.json"))["tracking"]["mlflow_run_id"]
+    run_id = mlflow_run_id(storage)
     client = MlflowClient(tracking_uri=mlflow_server.uri)
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "tracked"
@@ -187,7 +188,7 @@ def test_a_real_job_in_mlflow_and_tensorboard_and_its_resubmission(
         load_config("jobs/configs/tiny_cpu.yaml", [*overrides, "training.epochs=3"]), out=io.StringIO()
     )
     assert second.global_step > first.global_step
-    assert json.loads(storage.read_bytes("run.json"))["tracking"]["mlflow_run_id"] == run_id
+    assert mlflow_run_id(storage) == run_id
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.tags["submissions"] == "2"
     assert run.data.params["training.epochs"] == "2" and run.data.tags["changed.training.epochs"] == "3"
@@ -248,7 +249,7 @@ def test_tracking_server_down_mid_run_never_stops_training(
     assert "tracking_incomplete" not in names
     assert ev[down]["sink"] == "mlflow" and ev[down]["error"]
 
-    run_id = json.loads(driver.storage.read_bytes("run.json"))["tracking"]["mlflow_run_id"]
+    run_id = mlflow_run_id(driver.storage)
     client = MlflowClient(tracking_uri=mlflow_server.uri)
     rows = read_metrics(driver.storage).to_pylist()
     assert history(client, run_id, "train/loss") == pytest.approx(last_by_step(rows, "step"))
