@@ -207,46 +207,41 @@ def main(argv: list[str] | None = None) -> int:
         problem = url_problem(args.url, "URL")
         if problem is not None:
             return _error(f"error: {problem}", 2)
-        if args.command == "list":
-            runs = inspect.list_runs(args.url, options, verify=not args.no_verify)
-            print(json.dumps([asdict(r) for r in runs], indent=1) if args.json else inspect.format_list(runs))
-        elif args.command == "show":
-            report = inspect.report(inspect.open_run(args.url, args.name, options), verify_all=args.verify)
-            print(
-                json.dumps(asdict(report), indent=1, default=str)
-                if args.json
-                else inspect.format_show(report)
-            )
-        elif args.command == "plot":
-            storage = inspect.open_run(args.url, args.name, options)
-            width, height = plot.plot_png(storage, args.out)
-            print(f"wrote {args.out} ({width}x{height})")
-        elif args.command == "eval":
-            return _eval(args, options)
-        elif args.command == "export":
-            return _export(args, options)
-        elif args.command == "rewind":
-            return _rewind(args, options)
-        elif args.command == "stop":
-            return _stop(args, options)
-        elif args.command == "stacks":
-            return _stacks(args, options)
-        elif args.command == "profile":
-            return _profile(args, options)
-        elif args.command == "watch":
-            storage = inspect.open_run(args.url, args.name, options)
-            try:
-                status = inspect.watch(storage, sys.stdout, args.interval, args.all, max(0, args.backlog))
-            except KeyboardInterrupt:
-                return 130
-            return 0 if status in (inspect.FINISHED, inspect.STOPPED) else 1
+        return _COMMANDS[args.command](args, options)
     except StorageError as exc:
         return _error(f"storage error: {exc}", 1)
     except CheckpointError as exc:
         return _error(f"error: {exc}", 2)
     except (inspect.InspectError, ValueError, OSError) as exc:  # OSError: e.g. --out in a missing folder
         return _error(f"error: {exc}", 2)
+
+
+def _list(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    runs = inspect.list_runs(args.url, options, verify=not args.no_verify)
+    print(json.dumps([asdict(r) for r in runs], indent=1) if args.json else inspect.format_list(runs))
     return 0
+
+
+def _show(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    report = inspect.report(inspect.open_run(args.url, args.name, options), verify_all=args.verify)
+    print(json.dumps(asdict(report), indent=1, default=str) if args.json else inspect.format_show(report))
+    return 0
+
+
+def _plot(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    storage = inspect.open_run(args.url, args.name, options)
+    width, height = plot.plot_png(storage, args.out)
+    print(f"wrote {args.out} ({width}x{height})")
+    return 0
+
+
+def _watch(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    storage = inspect.open_run(args.url, args.name, options)
+    try:
+        status = inspect.watch(storage, sys.stdout, args.interval, args.all, max(0, args.backlog))
+    except KeyboardInterrupt:
+        return 130
+    return 0 if status in (inspect.FINISHED, inspect.STOPPED) else 1
 
 
 def _docs(which: str, write: str | None) -> int:
@@ -472,6 +467,20 @@ def _error(text: str, code: int) -> int:
     """One line on stderr, whatever the exception's message held."""
     print(" ".join(text.split()), file=sys.stderr)
     return code
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace, dict[str, Any]], int]] = {
+    "list": _list,
+    "show": _show,
+    "plot": _plot,
+    "eval": _eval,
+    "export": _export,
+    "rewind": _rewind,
+    "stop": _stop,
+    "stacks": _stacks,
+    "profile": _profile,
+    "watch": _watch,
+}
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import os
 import re
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
@@ -358,20 +359,10 @@ def _accepts_type(tp: Any) -> str:
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check ``value`` against the annotation ``tp``; return it (ints widen to float)."""
     origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
     if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        if len(inner) == 1:
-            return _coerce(value, inner[0], key)
-        for alternative in inner:
-            try:
-                return _coerce(value, alternative, key)
-            except ConfigError:
-                continue
-        raise ConfigError(f"{key}={value!r} is not allowed; use {' or '.join(_accepts(a) for a in inner)}")
+        return _coerce_union(value, typing.get_args(tp), key)
     if origin is Literal:
+        args = typing.get_args(tp)
         if value not in args:
             choices = ", ".join(repr(a) for a in args)
             raise ConfigError(f"{key}={value!r} is not allowed; choose one of {choices}")
@@ -380,35 +371,52 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key} must be a mapping of its fields, got {type(value).__name__} {value!r}")
         return _build(tp, value, key)
+    if origin in (list, dict):
+        return _coerce_container(value, origin, typing.get_args(tp), key)
+    if tp is Any:
+        return value
+    check = _SCALARS.get(tp)
+    if check is None:  # pragma: no cover
+        raise ConfigError(f"{key}: unsupported type {_type_name(tp)}")
+    accepted, what = check
+    if not accepted(value):
+        got = repr(value) if tp is bool else f"{type(value).__name__} {value!r}"
+        raise ConfigError(f"{key} must be {what}, got {got}")
+    return float(value) if tp is float else value
+
+
+_SCALARS: dict[Any, tuple[Callable[[Any], bool], str]] = {
+    bool: (lambda v: isinstance(v, bool), "true or false"),
+    int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    str: (lambda v: isinstance(v, str), "a string"),
+}
+
+
+def _coerce_union(value: Any, args: tuple[Any, ...], key: str) -> Any:
+    if value is None and type(None) in args:
+        return None
+    inner = [a for a in args if a is not type(None)]
+    if len(inner) == 1:
+        return _coerce(value, inner[0], key)
+    for alternative in inner:
+        try:
+            return _coerce(value, alternative, key)
+        except ConfigError:
+            continue
+    raise ConfigError(f"{key}={value!r} is not allowed; use {' or '.join(_accepts(a) for a in inner)}")
+
+
+def _coerce_container(value: Any, origin: Any, args: tuple[Any, ...], key: str) -> Any:
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{key} must be a list, got {type(value).__name__} {value!r}")
         return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key} must be a mapping, got {type(value).__name__} {value!r}")
-        if args and args[1] is not Any:
-            return {str(k): _coerce(v, args[1], f"{key}.{k}") for k, v in value.items()}
-        return dict(value)
-    if tp is Any:
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key} must be true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key} must be an integer, got {type(value).__name__} {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key} must be a number, got {type(value).__name__} {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key} must be a string, got {type(value).__name__} {value!r}")
-        return value
-    raise ConfigError(f"{key}: unsupported type {_type_name(tp)}")  # pragma: no cover
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key} must be a mapping, got {type(value).__name__} {value!r}")
+    if args and args[1] is not Any:
+        return {str(k): _coerce(v, args[1], f"{key}.{k}") for k, v in value.items()}
+    return dict(value)
 
 
 def _build(cls: Any, data: dict[str, Any], prefix: str = "") -> Any:
