@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Collection
 from typing import Any
 
 from cluster.driver import Driver
@@ -47,7 +48,14 @@ class BigGroup(ScriptedGroup):
             self.capacity[0] = self.cfg.scaling.num_workers
         return super().poll(timeout)
 
-    def salvage(self, failure: Failure, attempt: int) -> Salvage | None:
+    def salvage(
+        self,
+        failure: Failure | None,
+        attempt: int,
+        *,
+        leaving: Collection[int] = (),
+        keep_state: bool | None = None,
+    ) -> Salvage | None:
         """A node-sized wave: ranks 1..DEAD died together; the other survivors are kept with their state,
         and the capacity left is what the dead ranks did not hold."""
         self.capacity[0] = self.world_size - DEAD

@@ -7,6 +7,7 @@ import functools
 import io
 import logging
 import time
+from collections.abc import Collection
 from typing import Any
 
 import pytest
@@ -913,9 +914,16 @@ def test_a_nan_loss_stops_the_run_without_nan_skip_steps_and_rollbacks_count_as_
 class NoRoomAfterFailure(ScriptedGroup):
     """The failed rank's node is gone and no other has room: the replacement waits."""
 
-    def salvage(self, failure: Failure, attempt: int) -> Salvage | None:
+    def salvage(
+        self,
+        failure: Failure | None,
+        attempt: int,
+        *,
+        leaving: Collection[int] = (),
+        keep_state: bool | None = None,
+    ) -> Salvage | None:
         self.capacity[0] = 0
-        return super().salvage(failure, attempt)
+        return super().salvage(failure, attempt, leaving=leaving, keep_state=keep_state)
 
 
 def test_a_stop_while_waiting_for_resources_ends_the_run_at_once_and_says_what_is_lost() -> None:
