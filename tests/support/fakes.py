@@ -13,6 +13,8 @@ import uuid
 from collections.abc import Collection
 from typing import Any
 
+import pytest
+
 from cluster.checkpoint import CommitRecord
 from cluster.config import JobConfig, load_config
 from cluster.driver import Driver
@@ -311,3 +313,17 @@ class Hook:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(5)
+
+
+def transitions(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The driver's state changes as its debug log says them (``caplog`` at DEBUG for cluster.driver)."""
+    return [
+        r.getMessage().split(" (")[0].removeprefix("state ")
+        for r in caplog.records
+        if r.name == "cluster.driver" and r.getMessage().startswith("state ")
+    ]
+
+
+def peer(step: int, digest: str = "d1") -> PeerState:
+    """What a survivor kept in memory, at ``step``."""
+    return PeerState(0, step, step // STEPS, step % STEPS, digest, 1000)
