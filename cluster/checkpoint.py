@@ -93,6 +93,10 @@ class CheckpointStore:
 
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
+        self.fence: Callable[[], None] | None = None
+        """Called before a commit writes anything, again before its manifest, and before retention or a
+        discard deletes: raises when this writer may no longer write (``cluster.lease``: another job took
+        the run over)."""
         self.last_skipped: list[tuple[int, str]] = []
         """(step, reason) of every checkpoint the last ``load_latest`` passed over, newest first."""
         self.last_quarantined: list[tuple[int, str]] = []
@@ -110,6 +114,7 @@ class CheckpointStore:
         deleted first, so no reader ever pairs the old manifest with half-written new files.
         """
         d = step_dir(step)
+        self._fenced()
         self._trusted = {s: sig for s, sig in self._trusted.items() if s < step}
         self.storage.rm(f"{d}/{MANIFEST}")
         entries = {}
@@ -123,10 +128,15 @@ class CheckpointStore:
             "files": entries,
             "committed_at": time.time(),
         }
+        self._fenced()  # (a takeover while the files were written)
         self.storage.write_atomic(f"{d}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
         info = CheckpointInfo(step=step, url=self.storage.url(d), manifest=manifest)
         self._trusted[step] = _signature(info)
         return info
+
+    def _fenced(self) -> None:
+        if self.fence is not None:
+            self.fence()
 
     def steps_on_storage(self) -> list[int]:
         """Every step folder, committed or not, ascending. StorageError when the listing fails."""
@@ -313,6 +323,7 @@ class CheckpointStore:
     def _move_aside(self, step: int, folder: str) -> str:
         """Move ``step_N/`` to ``folder/step_N/`` (``step_N.2/``, ... when taken: nothing there is ever
         overwritten); returns its new URL."""
+        self._fenced()
         name = step_dir(step).rsplit("/", 1)[1]
         dst, n = f"{folder}/{name}", 1
         while self.storage.exists(dst):
@@ -323,6 +334,7 @@ class CheckpointStore:
         return self.storage.url(dst)
 
     def _delete(self, step: int) -> None:
+        self._fenced()
         d = step_dir(step)
         self.storage.rm(f"{d}/{MANIFEST}")  # first: a reader never sees a manifest without its files
         self.storage.rm(d, recursive=True)

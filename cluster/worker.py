@@ -47,6 +47,7 @@ from cluster.errors import ConfigError, DivergedError, WorkerError
 from cluster.evaluate import eval_batch_count
 from cluster.faults import Faults
 from cluster.group import EpochResult, Heartbeat, ResumePoint, SetupInfo
+from cluster.lease import GENERATION_ENV, Fence
 from cluster.pace import StepPace
 from cluster.peer import PeerPlan, PeerState
 from cluster.process import set_niceness, tune_process
@@ -216,6 +217,8 @@ class Worker:
         t["task"] = time.time()
         sampler = sampler_for(self.dataset, self.rank, self.world_size, cfg)
         store = self.faults.store(Storage(self.run_url, cfg.storage.options))
+        if os.environ.get(GENERATION_ENV):  # set by the driver: its lease's generation (cluster.lease)
+            store.fence = Fence(store.storage, int(os.environ[GENERATION_ENV])).check
         model, optimizer, scheduler, resume, skipped = self._take_state(
             kept, peers, rollback, raw_model, device, sampler, store, t
         )

@@ -115,3 +115,26 @@ def test_a_driver_that_was_taken_over_no_longer_says_it_runs_the_job(run: Storag
     Lease.take(run, "new", takeover=True)
     beat.stop()  # its last write is refused
     assert not run.exists(DRIVER_FILE)
+
+
+def test_a_taken_over_worker_commits_and_deletes_nothing(run: Storage) -> None:
+    """Rank 0 of a job that was taken over (its workers train on while its driver is paused): its commit is
+    refused before any file of the step is written, and its retention deletes nothing."""
+    import torch
+
+    from cluster.checkpoint import CheckpointStore, serialize
+    from cluster.lease import Fence
+
+    files = {"model.pt": serialize({"w": torch.ones(2)}), "train_state.pt": serialize({})}
+    old = Lease.take(run, "old")
+    store = CheckpointStore(run)
+    store.fence = Fence(run, old.generation).check
+    store.commit(5, files, {"epoch": 0})
+    store.commit(10, files, {"epoch": 0})
+    Lease.take(run, "new", takeover=True)
+    with pytest.raises(FencedError):
+        store.commit(15, files, {"epoch": 0})
+    assert store.steps_on_storage() == [5, 10]  # not even the step's folder
+    with pytest.raises(FencedError):
+        store.retain(keep_last=1)
+    assert store.steps_on_storage() == [5, 10]
