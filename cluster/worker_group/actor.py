@@ -138,6 +138,7 @@ _TRAINING_MODULES = (
     "preemption.py",
     "process.py",
     "profiling.py",
+    "redact.py",
     "safe_state.py",
     "schedule.py",
     "session.py",
