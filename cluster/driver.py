@@ -33,7 +33,7 @@ import time
 from typing import Any, TextIO
 
 from cluster.api import Result, ray_group_factory, take_lease
-from cluster.checkpoint import CheckpointStore
+from cluster.checkpoint import CheckpointStore, CheckpointUnreadableError
 from cluster.config import JobConfig, Window, merge_windows, skip_windows
 from cluster.control import (
     PROFILE_FILE,
@@ -263,7 +263,7 @@ class Driver:
                 return Starting()  # the newest usable checkpoint (this or an older one) leaves work to do
             try:
                 store.read_verified(info)
-            except (CheckpointError, StorageError) as exc:
+            except CheckpointError as exc:  # (a read that fails past its retries is raised: not "absent")
                 logger.warning(
                     "final checkpoint at step %d does not verify, looking further back: %s", info.step, exc
                 )
@@ -306,6 +306,11 @@ class Driver:
             self.record.shrunk(self.world_size or target, n)
         try:
             infos = group.start(n, s.peers, self.skips, self._rollback)
+        except CheckpointUnreadableError as exc:
+            # storage failed past its retries while a rank read the checkpoint (or it holds a state the
+            # safe loader refuses): a failure of this attempt, retried by the policy; never a fresh start
+            cause = getattr(exc, "cause", None) or exc
+            return self._on_failure(Failure("storage", None, f"{type(cause).__name__}: {cause}"))
         except (ConfigError, StorageError) as exc:
             # e.g. workers import other code than the driver, or cannot see its storage (after the retry
             # budget): retrying cannot help. Raised in a worker, Ray wraps it with its traceback: the

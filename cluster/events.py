@@ -435,6 +435,23 @@ KINDS: dict[str, Kind] = _kinds(
         console=True,
     ),
     Kind(
+        "checkpoint_quarantined",
+        "retention found a checkpoint that does not verify: it is moved to `checkpoints/quarantine/`, never "
+        "deleted, and no longer hides the older ones",
+        {
+            "step": "the checkpoint's step",
+            "found_at": "the commit whose retention found it",
+            "reason": "why it does not verify, and where it went",
+        },
+        lambda r: (
+            f"checkpoint at step {r.get('step')} failed verification and was moved aside: {r.get('reason')}"
+        ),
+        console=True,
+        watch=True,
+        show=True,
+        tensorboard=True,
+    ),
+    Kind(
         "checkpoint_failed",
         "a checkpoint could not be written or committed: it is not used, training goes on",
         {"step": "its step", "error": "what went wrong"},

@@ -365,6 +365,8 @@ class RunRecord:
 
     def commits(self, commits: list[CommitRecord]) -> None:
         for c in commits:
+            for step, reason in c.quarantined:
+                self.event("checkpoint_quarantined", step=step, found_at=c.step, reason=reason)
             if c.error:
                 self.event("checkpoint_failed", step=c.step, error=c.error)
             else:
