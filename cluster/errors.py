@@ -91,7 +91,7 @@ class TrainingFailedError(ClusterError):
     """The job gave up: failure budget exhausted or a deterministic bug. Checkpoints are left intact."""
 
 
-FailureKind = Literal["worker_died", "node_lost", "hang", "user_error", "start_failed"]
+FailureKind = Literal["worker_died", "node_lost", "hang", "user_error", "start_failed", "storage"]
 
 
 @dataclass
