@@ -4,12 +4,14 @@ answering a question about room), and a failure while finishing ends the run as 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 
-from cluster.checkpoint import CommitRecord
+from cluster.checkpoint import CheckpointUnreadableError, CommitRecord
 from cluster.control import PROFILE_FILE
 from cluster.errors import TrainingFailedError
+from cluster.group import SetupInfo
 from cluster.inspect import run_status
 from tests.support.fakes import ScriptedGroup, kinds, make
 
@@ -76,3 +78,21 @@ def test_ray_not_answering_about_room_to_grow_is_a_warning(caplog: pytest.LogCap
         result = driver.run()
     assert result.status == "finished" and not result.failures and result.world_size == 1
     assert caplog.text.count("could not ask Ray for room to grow") == 1
+
+
+class OutageAtStart(ScriptedGroup):
+    """The first group's ranks cannot read the checkpoint (storage down past its retries)."""
+
+    def start(self, world_size: int, *args: Any, **kwargs: Any) -> list[SetupInfo]:
+        if self.attempt == 0:
+            raise CheckpointUnreadableError("checkpoint at step 4: storage failed after 5 attempts: outage")
+        return super().start(world_size, *args, **kwargs)
+
+
+def test_a_checkpoint_unreadable_at_start_is_a_storage_failure_retried_never_a_fresh_start() -> None:
+    driver, _ = make({}, ["training.epochs=1"], group_cls=OutageAtStart)
+    result = driver.run()
+    assert result.status == "finished" and [f["kind"] for f in result.failures] == ["storage"]
+    assert "storage failed after 5 attempts" in result.failures[0]["message"]
+    (decision,) = [e for e in driver.events.records() if e["event"] == "decision"]
+    assert decision["restart"] is True
