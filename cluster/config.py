@@ -20,6 +20,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from cluster.errors import ConfigError
+from cluster.redact import redact_config
 from cluster.schedule import Window, merge_windows, skip_windows  # noqa: F401  (also imported from here)
 from cluster.storage import url_problem
 
@@ -316,14 +317,11 @@ class JobConfig:
         return self.scaling.num_workers if self.scaling.min_workers is None else self.scaling.min_workers
 
     def to_dict(self, redact: bool = True) -> dict[str, Any]:
-        """Plain dict of the spec; ``storage.options`` values are redacted unless ``redact=False``."""
+        """Plain dict of the spec, its secrets ``***`` (``cluster.redact.redact_config``: ``scaling.env``
+        but its harmless names, ``storage.options``, secret-looking keys of ``task_args``, URLs' users and
+        query values, the webhook's path) unless ``redact=False``: what every sink writes."""
         data = dataclasses.asdict(self)
-        if redact:
-            data["storage"]["options"] = dict.fromkeys(data["storage"]["options"], "***")
-            url = data["tracking"]["notify_url"]
-            if url and not url.startswith("env:"):  # a webhook's path is its secret
-                data["tracking"]["notify_url"] = url.partition("://")[0] + "://" + _host(url) + "/***"
-        return data
+        return redact_config(data) if redact else data
 
 
 # Short aliases accepted by --set, as users type them on the command line.

@@ -16,6 +16,7 @@ import torch
 
 from cluster.errors import ConfigError
 from cluster.load import load_checkpoint
+from cluster.redact import redact_tree, redact_url
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FORMATS = (".safetensors", ".pt")
@@ -54,10 +55,10 @@ def export_checkpoint(
             else v
             for k, v in weights.items()
         }
-    data, tied = _encode(weights, fmt, {"run": ckpt.run_url, "step": str(ckpt.step)})
-    sidecar = {
-        "run_url": ckpt.run_url,
-        "checkpoint_url": ckpt.url,
+    data, tied = _encode(weights, fmt, {"run": redact_url(ckpt.run_url), "step": str(ckpt.step)})
+    sidecar = {  # travels with the weights: URLs and task_args redacted (cluster.redact)
+        "run_url": redact_url(ckpt.run_url),
+        "checkpoint_url": redact_url(ckpt.url),
         "step": ckpt.step,
         "epoch": ckpt.epoch,
         "format": fmt.lstrip("."),
@@ -116,11 +117,12 @@ def _shared(name: str, tied: list[list[str]]) -> bool:
 
 
 def _task_of(run_url: str, options: dict[str, Any] | None) -> dict[str, Any]:
-    """The run's task and task_args from its run.json (what builds the model these weights fit)."""
+    """The run's task and task_args from its run.json (what builds the model these weights fit), redacted
+    again: a run.json of an earlier version may hold a secret-looking key's value."""
     from cluster.storage import Storage
 
     try:
         config = json.loads(Storage(run_url, options).read_bytes("run.json"))["config"]
     except (FileNotFoundError, KeyError, ValueError):
         return {"task": None, "task_args": None}
-    return {"task": config.get("task"), "task_args": config.get("task_args")}
+    return {"task": config.get("task"), "task_args": redact_tree(config.get("task_args"), known=False)}

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from cluster import events
+from cluster.redact import redact_text, redact_tree, redact_url
 from cluster.storage import Storage, is_local
 
 logger = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ class TensorBoardSink:
                 if record.get("event") in events.TENSORBOARD:
                     step = event_step(record, self.step)
                     self._writer().add_text(
-                        "events", events.detail(record), step, walltime=record.get("time")
+                        "events", redact_text(events.detail(record)), step, walltime=record.get("time")
                     )
                     flush = True
             else:
@@ -187,7 +188,7 @@ def mlflow_run_id(storage: Storage) -> str | None:
 
 class MlflowSink:
     """One MLflow run per run of this product: created at the first send (or continued: its id is kept in
-    ``run.json`` under ``tracking``), the resolved config as params (credentials redacted; a value a
+    ``run.json`` under ``tracking``), the resolved config as params (redacted: ``cluster.redact``; a value a
     resubmission changed goes to a ``changed.<key>`` tag, as MLflow refuses to change a param), metrics
     by global step, tags ``status``, ``attempts``, ``failures_survived``, ``submissions``, and the final
     checkpoint's ``model.pt`` as the artifact ``checkpoint/model.pt``."""
@@ -206,7 +207,7 @@ class MlflowSink:
         self.uri = uri
         self.experiment = experiment
         self.storage = storage
-        self.config = config
+        self.config = redact_tree(config, known=False)  # to_dict's already; a caller's own dict too
         self.run_name = run_name
         self.run_id: str | None = None
         self.client: Any = None
@@ -246,9 +247,9 @@ class MlflowSink:
             exp = client.get_experiment_by_name(self.experiment)
             exp_id = exp.experiment_id if exp is not None else client.create_experiment(self.experiment)
             run = client.create_run(
-                exp_id, run_name=self.run_name, tags={"cluster.run_url": self.storage.root}
+                exp_id, run_name=self.run_name, tags={"cluster.run_url": redact_url(self.storage.root)}
             )
-            body = {"mlflow_uri": self.uri, "mlflow_run_id": run.info.run_id}
+            body = {"mlflow_uri": redact_url(self.uri), "mlflow_run_id": run.info.run_id}
             self.storage.write_atomic(TRACKING_FILE, json.dumps(body, indent=1).encode())
         else:
             client.update_run(run.info.run_id, status="RUNNING")
@@ -295,7 +296,7 @@ class MlflowSink:
                 with open(path, "wb") as fh:
                     fh.write(self.storage.read_bytes(f"{checkpoint}/model.pt"))
                 self.client.log_artifact(self.run_id, path, "checkpoint")
-            self.client.set_tag(self.run_id, "checkpoint", f"{self.storage.root}/{checkpoint}")
+            self.client.set_tag(self.run_id, "checkpoint", redact_url(f"{self.storage.root}/{checkpoint}"))
         # MLflow's KILLED: ended by the user, not failed (a stop asked for; resumable)
         terminal = {"finished": "FINISHED", "stopped": "KILLED"}.get(status, "FAILED")
         self.client.set_terminated(self.run_id, terminal)
@@ -344,12 +345,14 @@ class WebhookSink:
                 continue
             record = item.data
             if item.kind == "event" and record.get("event") in self.events:
-                body = {
-                    "text": f"[{self.run_name}] {events.line(record.get('event'), record)}",
-                    "run": self.run_name,
-                    "run_url": self.run_url,
-                    "event": record,
-                }
+                body = redact_tree(  # the record's error texts, a run URL's credentials
+                    {
+                        "text": f"[{self.run_name}] {events.line(record.get('event'), record)}",
+                        "run": self.run_name,
+                        "run_url": self.run_url,
+                        "event": record,
+                    }
+                )
                 req = urllib.request.Request(
                     self.url,
                     data=json.dumps(body, default=str).encode(),

@@ -23,12 +23,12 @@ from fsspec.registry import known_implementations
 from fsspec.registry import registry as registered_protocols
 
 from cluster.errors import StorageError
+from cluster.redact import redact_text
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_SECRET_RE = re.compile(r"(?i)(secret|token|password|key|credential)[^=:\s]*\s*[=:]\s*\S+")
 
 RETRIES = 5
 """Retries of a failed storage call, at least (the time budget below may allow more)."""
@@ -192,13 +192,9 @@ def check_relative(rel: str) -> str:
 
 
 def redact(text: str, options: dict[str, Any] | None = None) -> str:
-    """Remove secrets (storage option values, key=value credentials) from a message."""
-    for value in (options or {}).values():
-        if isinstance(value, str) and len(value) >= 4:
-            text = text.replace(value, "***")
-        elif isinstance(value, dict):
-            text = redact(text, value)
-    return _SECRET_RE.sub(lambda m: m.group(0).split("=")[0].split(":")[0] + "=***", text)
+    """Remove secrets (storage option values at any depth, and all ``cluster.redact.redact_text`` hides)
+    from a message."""
+    return redact_text(text, options or {})
 
 
 class Storage:

@@ -1,7 +1,11 @@
 """Submit a job to a Ray cluster from Python (``cluster.submit``), as ``ray job submit`` does from a shell:
 the driver runs on the cluster's head, not in this process, so a laptop that sleeps or a notebook that
 restarts does not end the run. The config is checked here first (a mistake never costs a submission), the
-returned :class:`SubmittedJob` follows the run through its storage and stops it cleanly."""
+returned :class:`SubmittedJob` follows the run through its storage and stops it cleanly.
+
+The job's config travels as a file inside the shipped working directory (``.cluster/job-<id>.json``, there
+only while the directory is uploaded), never on the entrypoint's command line: ``ray job list``, the
+dashboard and ``ps`` on the head show a command line to anyone who can see the cluster."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import json
 import os
 import shlex
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -22,6 +27,9 @@ STOP_WAIT_S = 600
 """``RAY_JOB_STOP_WAIT_TIME_S`` for a submitted job: how long ``ray job stop`` (and :meth:`SubmittedJob.stop`)
 lets the driver stop every rank with a checkpoint before Ray kills it (Ray's default is 3 s)."""
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+CONFIG_DIR = ".cluster"
+"""Folder of ``working_dir`` the job's config file is written to while the folder is uploaded (keep it out of
+``.gitignore``/``.rayignore``: Ray leaves out what they list)."""
 
 
 @dataclass
@@ -93,31 +101,21 @@ def submit(
     as ``--set``; or a ``JobConfig``) to the Ray cluster at ``address`` (its dashboard, e.g.
     ``http://127.0.0.1:8265``; default ``RAY_ADDRESS``), shipping ``working_dir`` (your task's code, the
     ``cluster`` package) to every node. ``runtime_env`` adds to the one built here (``excludes``,
-    ``env_vars``). The config is loaded and checked here first: ConfigError before anything is submitted."""
+    ``env_vars``). The config is loaded and checked here first: ConfigError before anything is submitted.
+    The resolved config (overrides applied) reaches the job as a file (the module docstring)."""
     overrides = list(overrides or [])
     root = os.path.abspath(working_dir)
     if isinstance(config, JobConfig):
         if overrides:
             raise ConfigError("overrides go with a config file; apply them to the JobConfig instead")
         cfg = config
-        args = ["--config-json", json.dumps(cfg.to_dict(redact=False))]
     else:
         cfg = load_config(config, overrides)
-        rel = os.path.relpath(os.path.abspath(config), root)
-        if rel.startswith(".."):
+        if os.path.relpath(os.path.abspath(config), root).startswith(".."):
             raise ConfigError(
                 f"config {config!r} is outside working_dir {root!r}, which is all the cluster receives; move "
                 "it inside, or pass working_dir= a folder that holds it"
             )
-        args = ["--config", rel, *(a for o in overrides for a in ("--set", o))]
-    if cfg.storage.options and (
-        isinstance(config, JobConfig) or any("storage.options" in o for o in overrides)
-    ):
-        raise ConfigError(
-            "storage.options would be written into the job's entrypoint, which anyone who lists the "
-            "cluster's jobs can read; give the cluster's nodes their storage credentials (an instance "
-            "role, or runtime_env env_vars such as AWS_ACCESS_KEY_ID) instead"
-        )
     remote = address is not None and not any(h in address for h in ("127.0.0.1", "localhost", "[::1]"))
     if remote and is_local(cfg.storage.url):
         raise ConfigError(
@@ -131,7 +129,6 @@ def submit(
     env["env_vars"] = {"RAY_JOB_STOP_WAIT_TIME_S": str(STOP_WAIT_S), **env.get("env_vars", {})}
     from ray.job_submission import JobSubmissionClient
 
-    entrypoint = shlex.join(["python", "-m", "jobs.train", *args])
     try:
         client = JobSubmissionClient(address)
     except ConnectionError as exc:
@@ -140,6 +137,36 @@ def submit(
             "address= the head's dashboard (http://HEAD:8265, through `ray dashboard ray_cluster.yaml`), or "
             "start one with `ray start --head`"
         ) from None
-    submitted = client.submit_job(entrypoint=entrypoint, runtime_env=env, submission_id=job_id)
+    rel = write_config_file(cfg, root)
+    try:  # the upload of working_dir happens inside submit_job: the file is needed until it returns
+        submitted = client.submit_job(entrypoint=entrypoint(rel), runtime_env=env, submission_id=job_id)
+    finally:
+        remove_config_file(root, rel)
     run_url = join(normalize_url(cfg.storage.url), cfg.name)
     return SubmittedJob(str(submitted), address, run_url, cfg)
+
+
+def entrypoint(config_file: str) -> str:
+    """The job's command line: names the config file (relative to the working directory), holds no value
+    of it."""
+    return shlex.join(["python", "-m", "jobs.train", "--config-file", config_file])
+
+
+def write_config_file(cfg: JobConfig, root: str) -> str:
+    """Write ``cfg`` whole (the driver needs its secrets) to a new file of :data:`CONFIG_DIR` in ``root``,
+    readable by this user only; return its path relative to ``root``."""
+    rel = f"{CONFIG_DIR}/job-{uuid.uuid4().hex[:16]}.json"
+    os.makedirs(os.path.join(root, CONFIG_DIR), exist_ok=True)
+    fd = os.open(os.path.join(root, rel), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(cfg.to_dict(redact=False), fh)
+    return rel
+
+
+def remove_config_file(root: str, rel: str) -> None:
+    """Remove the file :func:`write_config_file` wrote, and :data:`CONFIG_DIR` once it is empty."""
+    os.remove(os.path.join(root, rel))
+    try:
+        os.rmdir(os.path.join(root, CONFIG_DIR))
+    except OSError:  # another submission's file is still there
+        pass

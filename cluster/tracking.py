@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from cluster.redact import redact_text
 from cluster.sinks import (  # the sinks are imported from here by the run record
     Item,
     MlflowSink,
@@ -82,7 +83,7 @@ class _Feeder:
                     self.opened = True
                 self.sink.send(batch)
             except Exception as exc:
-                why = f"{type(exc).__name__}: {str(exc)[:500]}"
+                why = redact_text(f"{type(exc).__name__}: {str(exc)[:500]}")  # a URI's token, a key
                 if self.failing is None:
                     logger.warning(
                         "tracking to %s failed, retrying in the background: %s", self.sink.name, why
@@ -109,7 +110,10 @@ class _Feeder:
                 self.sink.close()
             except Exception as exc:
                 logger.warning(
-                    "closing tracking sink %s failed: %s: %s", self.sink.name, type(exc).__name__, exc
+                    "closing tracking sink %s failed: %s: %s",
+                    self.sink.name,
+                    type(exc).__name__,
+                    redact_text(str(exc)),
                 )
 
     def stop(self, deadline: float) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 
@@ -44,8 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--config", help="YAML job spec, e.g. jobs/configs/tiny_cpu.yaml")
     which.add_argument(
-        "--config-json", help="the job spec as JSON (what cluster.submit sends for a JobConfig)"
+        "--config-file",
+        help="the job spec as a JSON file (what cluster.submit ships in the working directory: a command "
+        "line is visible to anyone who lists the cluster's jobs)",
     )
+    which.add_argument("--config-json", help="the job spec as JSON (kept for scripts of earlier versions)")
     p.add_argument(
         "--set",
         dest="overrides",
@@ -74,12 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     # The package's warnings (a swallowed error and its reason) on stderr; progress lines stay on stdout.
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        if args.config_json is not None:
+        if args.config_file is not None:
+            cfg = load_config(data=_read_config_file(args.config_file), overrides=args.overrides)
+        elif args.config_json is not None:
             cfg = load_config(data=json.loads(args.config_json), overrides=args.overrides)
         else:
             cfg = load_config(args.config, args.overrides)
     except json.JSONDecodeError as exc:
-        print(f"config error: --config-json is not JSON: {exc}", file=sys.stderr)
+        print(f"config error: the config is not JSON: {exc}", file=sys.stderr)
         return 2
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
@@ -162,6 +168,21 @@ def main(argv: list[str] | None = None) -> int:
         + f"latest_checkpoint={result.latest_checkpoint}"
     )
     return 0
+
+
+def _read_config_file(path: str) -> dict[str, object]:
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"--config-file {path!r} is not in the job's working directory ({os.getcwd()}): a .gitignore or "
+            ".rayignore there (Ray leaves out what they list) or runtime_env excludes left it out; keep "
+            ".cluster/ out of them"
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config-file {path!r} holds {type(data).__name__}, not a job spec (an object)")
+    return data
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from cluster.inspect.runs import (
     live_status,
     read_events,
 )
+from cluster.redact import redact_config
 from cluster.storage import Storage
 
 WATCH_WIDTH = 240
@@ -114,12 +115,28 @@ def _summary_section(r: RunReport) -> list[str]:
 
 
 def _config_section(r: RunReport) -> list[str]:
-    out = ["", "config (run.json; credentials were redacted when it was written)"]
-    out += [f"  {k}: {json.dumps(v)}" for k, v in flatten(r.config).items()]
+    out = ["", "config (run.json; secrets redacted: docs/cluster.md, Security)"]
+    out += [f"  {k}: {json.dumps(v)}" for k, v in flatten(redact_config(r.config)).items()]
     if r.config_changes:
         out.append("  changed by later submissions:")
-        out += [f"    {k}: {json.dumps(old)} -> {json.dumps(new)}" for k, old, new in r.config_changes]
+        out += [
+            f"    {k}: {json.dumps(_redacted(k, old))} -> {json.dumps(_redacted(k, new))}"
+            for k, old, new in r.config_changes
+        ]
     return out
+
+
+def _redacted(key: str, value: Any) -> Any:
+    """``value`` of the config key ``key`` (dotted) as the one redaction shows it: a run written by an earlier
+    version may hold secrets in run.json or submissions/."""
+    *parents, last = key.split(".")
+    tree: dict[str, Any] = {last: value}
+    for name in reversed(parents):
+        tree = {name: tree}
+    shown: Any = redact_config(tree)
+    for name in key.split("."):
+        shown = shown[name]
+    return shown
 
 
 def _failures_section(failures: list[FailureRecord]) -> list[str]:
