@@ -178,8 +178,8 @@ def train(
     """Run (or resume) the job described by ``cfg`` to completion and return its Result.
 
     One job trains a run at a time: while another job's lease on the run beats, this one is refused
-    (LeaseHeldError) before Ray starts; ``takeover=True`` takes the run from a job that is gone (or fences
-    out one that is not: its writes are refused from then on). ``lease``: one already taken
+    (LeaseHeldError) before anything is written; ``takeover=True`` takes the run from a job that is gone
+    (or fences out one that is not: its writes are refused from then on). ``lease``: one already taken
     (:func:`take_lease`), released when the run ends.
 
     ``task``: the Task class itself instead of ``cfg.task``'s import path (which then records it): sent to
@@ -192,17 +192,18 @@ def train(
     if task is not None:
         cfg = dataclasses.replace(cfg, task=task_path(task))
     preflight(cfg, task)
-    lease = lease or take_lease(cfg, takeover, None if out is None else lambda t: print(t, file=out))
     started = False
     try:
         started = ensure_ray(cfg)
-        check_cluster(cfg)
+        check_cluster(cfg)  # refusals write nothing: the lease is taken after them
+        lease = lease or take_lease(cfg, takeover, None if out is None else lambda t: print(t, file=out))
         factory = functools.partial(ray_group_factory, task_cls=task) if task is not None else None
         driver = Driver(cfg, group_factory=factory, out=out, lease=lease)
         with stop_on_signals(driver):
             return driver.run()
     finally:
-        lease.release()  # (the driver released it already when it ran)
+        if lease is not None:
+            lease.release()  # (the driver released it already when it ran)
         if started:
             local_ray.shutdown()
 

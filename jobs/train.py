@@ -34,7 +34,7 @@ import signal
 import sys
 
 from cluster import ClusterError, ConfigError, load_config, local_ray, train
-from cluster.api import ensure_ray, preflight, result_to_json, take_lease
+from cluster.api import ensure_ray, preflight, result_to_json
 from cluster.lease import LeaseHeldError
 
 
@@ -108,19 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"config error: {exc}", file=sys.stderr)
             return 2
         return 0
-    try:
-        lease = take_lease(cfg, args.takeover)  # one job trains a run at a time: before Ray starts
-    except LeaseHeldError as exc:
-        print(f"refused: {exc}", file=sys.stderr)
-        return 2
-    except ClusterError as exc:
-        print(f"training failed: {exc}", file=sys.stderr)
-        return 1
-    try:
-        started = ensure_ray(cfg)
-    except BaseException:
-        lease.release()
-        raise
+    started = ensure_ray(cfg)
 
     # Outside `train` (which stops cleanly on a first signal), SIGTERM becomes an exception so the
     # finally-blocks kill the workers; committed checkpoints are never touched. Installed after ray.init,
@@ -130,7 +118,10 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        result = train(cfg, lease=lease)
+        result = train(cfg, takeover=args.takeover)
+    except LeaseHeldError as exc:  # another job trains the run: it is named, nothing was written
+        print(f"refused: {exc}", file=sys.stderr)
+        return 2
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
@@ -144,7 +135,6 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        lease.release()
         if started:
             local_ray.shutdown()
     if args.result_json:

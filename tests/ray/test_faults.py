@@ -178,7 +178,7 @@ def test_hang_is_detected_by_heartbeat_and_recovered(reference: dict, tmp_path: 
     (dump,) = events(run_url, "stacks")
     assert dump["kind"] == "hang" and dump["silent"] == [] and dump["time"] < failure["time"]
     where = {r: g["where"] for g in dump["groups"] for r in g["ranks"]}
-    assert "_maybe_inject_fault (cluster/worker.py:" in where[1], dump
+    assert "before_step (cluster/faults.py:" in where[1], dump
     assert "torch/nn/parallel/distributed.py" in where[0] and "compute_loss" in where[0], dump
     text = Storage(run_url).read_bytes(dump["path"]).decode()
     assert "=== rank 0" in text and "=== rank 1" in text and "--- thread" in text and "(training)" in text
@@ -284,7 +284,7 @@ def test_resources_that_never_appear_are_a_clear_error(tmp_path: object, ray_loc
         overrides(
             f"{tmp_path}/r",
             "nores",
-            "scaling.resources_per_worker={tpu_slice: 1}",
+            "scaling.cpus_per_worker=3",  # 2 x 3 CPUs: never on this 4-CPU Ray
             "scaling.resource_wait_s=2",
         ),
     )
@@ -293,7 +293,25 @@ def test_resources_that_never_appear_are_a_clear_error(tmp_path: object, ray_loc
         train(cfg, out=io.StringIO())
     assert time.monotonic() - t0 < 60  # a bounded wait, not forever
     text = str(info.value)
-    assert "tpu_slice=1" in text and "scaling.resource_wait_s=2" in text and "Add nodes" in text
+    assert "CPU=3" in text and "scaling.resource_wait_s=2" in text and "Add nodes" in text
+    assert not os.path.exists(f"{tmp_path}/r/nores/checkpoints")
+
+
+def test_a_custom_resource_no_node_has_is_refused_before_anything_starts(
+    tmp_path: object, ray_local: None
+) -> None:
+    """No wait of ``scaling.resource_wait_s`` for what no node of the cluster has: one clear error."""
+    from cluster.errors import ConfigError
+
+    cfg = load_config(
+        "jobs/configs/tiny_cpu.yaml",
+        overrides(f"{tmp_path}/r", "nores", "scaling.resources_per_worker={tpu_slice: 1}"),
+    )
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError) as info:
+        train(cfg, out=io.StringIO())
+    assert time.monotonic() - t0 < 30
+    assert "'tpu_slice'" in str(info.value) and "scaling.resources_per_worker" in str(info.value)
     assert not os.path.exists(f"{tmp_path}/r/nores/checkpoints")
 
 
@@ -441,7 +459,7 @@ def test_a_stop_asked_while_waiting_for_resources_ends_the_run_at_once(
         overrides(
             f"{tmp_path}/r",
             "waits",
-            "scaling.resources_per_worker={tpu_slice: 1}",
+            "scaling.cpus_per_worker=3",  # 2 x 3 CPUs: never on this 4-CPU Ray
             "scaling.resource_wait_s=120",
         ),
     )
