@@ -144,6 +144,10 @@ class CheckpointConfig:
     checkpoints its step. Needs an eval set; ``load_model(run, step="best")`` loads it. null: off."""
     best_mode: Literal["min", "max"] = "min"
     """Whether a lower (``min``) or a higher (``max``) ``best_metric`` is better."""
+    max_failed_commits: int = 3
+    """Checkpoints in a row that may fail to commit (storage refusing writes) before the run stops as
+    failed, naming the last good checkpoint: a job never trains on for long with nothing durable. The
+    final checkpoint is written again before the run ends; if it still fails the run ends failed."""
 
 
 @dataclass
@@ -615,6 +619,11 @@ def _validate_training(t: TrainingConfig, s: ScalingConfig, min_workers: int) ->
 
 
 def _validate_checkpoint(c: CheckpointConfig) -> None:
+    if c.max_failed_commits < 1:
+        raise ConfigError(
+            f"checkpoint.max_failed_commits={c.max_failed_commits} must be at least 1 (checkpoints in a "
+            "row that may fail before the run stops)"
+        )
     if c.every_steps < 0:
         raise ConfigError(f"checkpoint.every_steps={c.every_steps} must be 0 (off) or positive")
     if c.every_epochs < 0:

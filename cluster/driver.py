@@ -399,10 +399,18 @@ class Driver:
         workers train while this epoch's metrics, events and progress line are written."""
         assert self.group is not None
         next_state = self._after_epoch(head)
-        if isinstance(next_state, Running):
+        if isinstance(next_state, Running) and not self._commits_would_fail(head):
             self.group.run_epoch(next_state.epoch, next_state.start_step)
         self._record_epoch(head, wall_s, s.recovery)
-        return next_state
+        return self._commits_failing() or next_state
+
+    def _commits_would_fail(self, head: EpochResult) -> bool:
+        """Whether this epoch's commits bring the failures in a row to ``checkpoint.max_failed_commits``
+        (the next epoch is then not dispatched)."""
+        streak = self.record.failed_in_a_row
+        for c in head.commits:
+            streak = streak + 1 if c.error else 0
+        return streak >= self.cfg.checkpoint.max_failed_commits
 
     def _after_epoch(self, head: EpochResult) -> State:
         cfg = self.cfg
@@ -472,8 +480,36 @@ class Driver:
     def _finish(self, s: Finishing) -> State:
         assert self.group is not None
         self.record.commits(self.group.finish())
+        if self.record.committed.get(self.global_step) is False:  # the final checkpoint did not commit
+            infos = CheckpointStore(self.storage).list()
+            last = f"step {infos[-1].step} ({infos[-1].url})" if infos else "none"
+            return self._fail(
+                TrainingFailedError(
+                    f"the final checkpoint at step {self.global_step} failed to commit, also when written "
+                    f"again ({self.record.last_commit_error or 'no record of it'}). The last good "
+                    f"checkpoint: {last}; fix the storage, then rerun the same job to train the steps after "
+                    "it"
+                )
+            )
         self.record.finished(self.global_step, s.loss, self.attempt + 1)
         return Finished()
+
+    def _commits_failing(self) -> Failed | None:
+        """``checkpoint.max_failed_commits`` commits in a row failed: the run stops rather than train on
+        with nothing durable."""
+        limit = self.cfg.checkpoint.max_failed_commits
+        if self.record.failed_in_a_row < limit:
+            return None
+        infos = CheckpointStore(self.storage).list()
+        last = f"step {infos[-1].step}" if infos else "none"
+        return self._fail(
+            TrainingFailedError(
+                f"checkpoint.max_failed_commits={limit}: {self.record.failed_in_a_row} checkpoints in a "
+                f"row failed to commit (the last: {self.record.last_commit_error}); nothing durable since "
+                f"the last good checkpoint ({last}). Fix the storage, then rerun the same job to resume from "
+                "it"
+            )
+        )
 
     def _resize(self, s: Resizing) -> State:
         """Grow back at an epoch boundary: the epoch-end checkpoint is flushed, then a new gang starts."""

@@ -58,6 +58,9 @@ class RunRecord:
         self._flushed_at = time.monotonic()  # rows last written (``metrics.flush_s``)
         self._created = time.time()
         self._started = False
+        self.failed_in_a_row = 0
+        self.last_commit_error = ""
+        self.committed: dict[int, bool] = {}  # step -> whether a commit there succeeded (this submission)
 
     # ------------------------------------------------------------------ the run's files
     def open(self) -> None:
@@ -364,7 +367,13 @@ class RunRecord:
             self.track(step_rows[len(rows) - len(more) :])  # the heartbeats' rows are tracked already
 
     def commits(self, commits: list[CommitRecord]) -> None:
+        """Each commit's event (``checkpoint`` or ``checkpoint_failed``, and what retention quarantined);
+        ``failed_in_a_row`` counts the commits that failed since the last one that did not."""
         for c in commits:
+            self.committed[c.step] = self.committed.get(c.step, False) or not c.error
+            self.failed_in_a_row = self.failed_in_a_row + 1 if c.error else 0
+            if c.error:
+                self.last_commit_error = c.error
             for step, reason in c.quarantined:
                 self.event("checkpoint_quarantined", step=step, found_at=c.step, reason=reason)
             if c.error:

@@ -85,6 +85,12 @@ class _EpochTally:
             self.metric_sums[k] = self.metric_sums.get(k, 0.0) + v
 
 
+LAST_COMMIT_RETRIES = 2
+"""Times a failed last checkpoint is written again as the group ends (``Worker.finish``)."""
+LAST_COMMIT_PAUSE_S = 2.0
+"""The pause before each such retry, times its number."""
+
+
 class Worker:
     def __init__(
         self,
@@ -620,7 +626,34 @@ class Worker:
             return []
         cdist.bind_thread(self.session.device if self.session is not None else None)
         writer.close(flush=True)
-        return writer.drain()
+        records = writer.drain()
+        return records + self._rewrite_failed_last(records)
+
+    def _rewrite_failed_last(self, records: list[CommitRecord]) -> list[CommitRecord]:
+        """Rank 0, as the group ends: when the newest checkpoint asked for (at the step the ranks stand at)
+        failed to commit, write it again from the live state, up to ``LAST_COMMIT_RETRIES`` times with a
+        pause (storage already retried each file). A sharded optimizer's state needs every rank (a
+        collective): not retried here. Returns the new records."""
+        s, step = self.session, self._last_checkpoint
+        if s is None or s.writer is None or step != self.pos.global_step or ddp.is_zero(s.optimizer):
+            return []
+        out: list[CommitRecord] = []
+        for attempt in range(1, LAST_COMMIT_RETRIES + 1):
+            mine = [r for r in records + out if r.step == step]
+            if not mine or any(not r.error for r in mine):
+                break
+            logger.warning(
+                "checkpoint at step %d failed (%s): writing it again (%d/%d)",
+                step,
+                mine[-1].error,
+                attempt,
+                LAST_COMMIT_RETRIES,
+            )
+            time.sleep(LAST_COMMIT_PAUSE_S * attempt)
+            self._checkpoint(s)
+            s.writer.wait()
+            out += s.writer.drain()
+        return out
 
     def shutdown(self) -> None:
         if self.session is not None and self.session.writer is not None:

@@ -11,9 +11,9 @@ import pytest
 from cluster.checkpoint import CheckpointUnreadableError, CommitRecord
 from cluster.control import PROFILE_FILE
 from cluster.errors import TrainingFailedError
-from cluster.group import SetupInfo
+from cluster.group import EpochResult, SetupInfo
 from cluster.inspect import run_status
-from tests.support.fakes import ScriptedGroup, kinds, make
+from tests.support.fakes import STEPS, ScriptedGroup, kinds, make
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -96,3 +96,43 @@ def test_a_checkpoint_unreadable_at_start_is_a_storage_failure_retried_never_a_f
     assert "storage failed after 5 attempts" in result.failures[0]["message"]
     (decision,) = [e for e in driver.events.records() if e["event"] == "decision"]
     assert decision["restart"] is True
+
+
+class CommitsFail(ScriptedGroup):
+    """Every checkpoint the ranks ask for fails to commit (storage refusing writes)."""
+
+    def poll(self, timeout: float) -> list[EpochResult] | None:
+        results = super().poll(timeout)
+        if results:
+            step = results[0].global_step
+            results[0].commits = [
+                CommitRecord(step, results[0].epoch + 1, "", 0, 0.0, 0.1, "OSError: disk full")
+            ]
+        return results
+
+
+def test_checkpoints_failing_in_a_row_stop_the_run_naming_the_last_good_one() -> None:
+    driver, _ = make({}, ["training.epochs=6", "checkpoint.max_failed_commits=2"], group_cls=CommitsFail)
+    with pytest.raises(TrainingFailedError) as err:
+        driver.run()
+    text = str(err.value)
+    assert (
+        "checkpoint.max_failed_commits=2" in text and "disk full" in text and "last good checkpoint" in text
+    )
+    assert [e["event"] for e in driver.events.records()].count("checkpoint_failed") == 2
+    assert ScriptedGroup.instances[0].calls.count("epoch2@0") == 0  # no third epoch trained on
+
+
+class FinalCommitFails(ScriptedGroup):
+    def finish(self) -> list[CommitRecord]:
+        step = 3 * STEPS
+        return [CommitRecord(step, 3, "", 0, 0.0, 0.1, "OSError: quota exceeded")]
+
+
+def test_a_final_checkpoint_that_does_not_commit_ends_the_run_failed() -> None:
+    driver, _ = make({}, ["training.epochs=3"], group_cls=FinalCommitFails)
+    with pytest.raises(TrainingFailedError) as err:
+        driver.run()
+    assert f"the final checkpoint at step {3 * STEPS} failed to commit" in str(err.value)
+    assert "quota exceeded" in str(err.value)
+    assert run_status(driver.events.records()) == "failed"
