@@ -52,7 +52,7 @@ from cluster.errors import (
     StorageError,
     TrainingFailedError,
 )
-from cluster.group import EpochResult, GroupFactory, Salvage, StartCancelled, WorkerGroup
+from cluster.group import EpochResult, GroupFactory, Salvage, SetupInfo, StartCancelled, WorkerGroup
 from cluster.lease import GENERATION_ENV, FencedError, Lease
 from cluster.moves import Cancel, Decision, GrowNow, MoveWatch, Prepare, StopFor
 from cluster.peer import PeerPlan, plan_recovery
@@ -279,17 +279,7 @@ class Driver:
         cfg = self.cfg
         target, minimum = cfg.scaling.num_workers, cfg.effective_min_workers
         t0 = time.time()
-        # Every worker checks it sees this token (Worker.setup): storage visible only here fails at once.
-        # One token per driver: workers kept across a warm restart already carry it.
-        if self._probe_token is None:
-            self._probe_token = write_probe(self.storage)
-        probe_env = {**cfg.scaling.env, PROBE_ENV: self._probe_token}
-        if self.lease is not None:  # rank 0's commits check that no newer generation took the run over
-            probe_env[GENERATION_ENV] = str(self.lease.generation)
-        group_cfg = dataclasses.replace(cfg, scaling=dataclasses.replace(cfg.scaling, env=probe_env))
-        group = self.group = self.group_factory(group_cfg, self.run_url, self.attempt)
-        if s.salvage is not None:
-            group.adopt(s.salvage)
+        group = self.group = self._new_group(s)
         try:
             # A stop asked while Ray has no room ends the run here; one asked when the group can start (a
             # backoff's, a signal at start-up) is acted on at its first step, with a checkpoint there.
@@ -304,13 +294,38 @@ class Driver:
         t_reserved = time.time()
         if n < target and s.move is None:  # a shrink for a drain is recorded with its own reason
             self.record.shrunk(self.world_size or target, n)
+        infos = self._set_up(group, n, s)
+        if isinstance(infos, Failure):
+            return self._on_failure(infos)
+        return self._started(s, infos, time.time() - t0, t_reserved)
+
+    def _new_group(self, s: Starting) -> WorkerGroup:
+        """The next gang (adopting what a failed or moved one kept), its workers told the storage probe's
+        token (``Worker.setup`` checks it sees the driver's storage: storage visible only here fails at
+        once; one token per driver) and the lease's generation (rank 0's commits check no newer one took
+        the run over)."""
+        cfg = self.cfg
+        if self._probe_token is None:
+            self._probe_token = write_probe(self.storage)
+        env = {**cfg.scaling.env, PROBE_ENV: self._probe_token}
+        if self.lease is not None:
+            env[GENERATION_ENV] = str(self.lease.generation)
+        group_cfg = dataclasses.replace(cfg, scaling=dataclasses.replace(cfg.scaling, env=env))
+        group = self.group_factory(group_cfg, self.run_url, self.attempt)
+        if s.salvage is not None:
+            group.adopt(s.salvage)
+        return group
+
+    def _set_up(self, group: WorkerGroup, n: int, s: Starting) -> list[SetupInfo] | Failure:
+        """Start and set up ``n`` ranks; a Failure of this attempt when that fails in a way a retry can
+        help. What a retry cannot help is raised for the user (module doc of ``cluster.api``)."""
         try:
-            infos = group.start(n, s.peers, self.skips, self._rollback)
+            return group.start(n, s.peers, self.skips, self._rollback)
         except CheckpointUnreadableError as exc:
             # storage failed past its retries while a rank read the checkpoint (or it holds a state the
             # safe loader refuses): a failure of this attempt, retried by the policy; never a fresh start
             cause = getattr(exc, "cause", None) or exc
-            return self._on_failure(Failure("storage", None, f"{type(cause).__name__}: {cause}"))
+            return Failure("storage", None, f"{type(cause).__name__}: {cause}")
         except (ConfigError, StorageError) as exc:
             # e.g. workers import other code than the driver, or cannot see its storage (after the retry
             # budget): retrying cannot help. Raised in a worker, Ray wraps it with its traceback: the
@@ -320,19 +335,21 @@ class Driver:
                 raise cause from None
             raise
         except Exception as exc:
-            return self._on_failure(group.classify(exc, starting=True))
+            return group.classify(exc, starting=True)
+
+    def _started(self, s: Starting, infos: list[SetupInfo], seconds: float, t_reserved: float) -> State:
+        """The group is set up: take its position, record it, and train from where it resumed."""
         t_ready = time.time()
-        self.world_size = n
-        head = infos[0]
-        self.steps_per_epoch = head.steps_per_epoch
-        r = head.resume
+        head, r = infos[0], infos[0].resume
+        self.world_size, self.steps_per_epoch = len(infos), head.steps_per_epoch
         self.epoch, self.global_step = r.epoch, r.global_step
         self.skips = merge_windows([*self.skips, *r.skipped_steps])  # a checkpoint's (an earlier driver's)
         self.record.skipped_checkpoints(head)
         if r.rollback is not None:
             self.record.rollback(r.rollback, r.global_step)
         self._rollback = None
-        self.record.group_started(self.attempt, infos, t_ready - t0, group.spare_note, self.steps_per_epoch)
+        assert self.group is not None
+        self.record.group_started(self.attempt, infos, seconds, self.group.spare_note, self.steps_per_epoch)
         self.record.started()
         self._spare_announced = False
         self.moves.new_group(infos)
