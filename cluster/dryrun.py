@@ -1,8 +1,8 @@
 """A job's task tried in this process before any GPU is asked for (``python -m jobs.train --dry-run``,
 ``cluster.dry_run``): build the model, the datasets, the optimizer and the scheduler as a worker would, train
-rank 0's share of the first steps, evaluate one eval batch, and report what a run of this config will be
-(steps, batch per rank, checkpoint size, memory) or the one error a worker would have hit, in seconds. No
-Ray, no process group, nothing written to storage."""
+rank 0's share of the first steps, check that a checkpoint of them would load back, evaluate one eval batch,
+and report what a run of this config will be (steps, batch per rank, checkpoint size, memory) or the one error
+a worker would have hit, in seconds. No Ray, no process group, nothing written to storage."""
 
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ from cluster.config import JobConfig, skip_windows
 from cluster.data import ResumableDistributedSampler, fetch_batch
 from cluster.errors import ConfigError
 from cluster.evaluate import eval_batch_count, evaluate
+from cluster.session import check_writable
 from cluster.task import Task, build_task, extra_metrics
+from cluster.train_state import RunPosition
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +121,7 @@ def dry_run(cfg: JobConfig, device: str | None = None, task_cls: type[Task] | No
             torch.cuda.synchronize(target)
         step_s = time.perf_counter() - t0
     assert first is not None
+    _checkpointable(cfg, model, optimizer, scheduler, min(STEPS, sampler.steps_per_epoch))
     if no_grad and not t.fixed_buckets:
         notes.append(
             f"{len(no_grad)} trainable parameters got no gradient ({', '.join(no_grad[:5])}"
@@ -149,6 +152,19 @@ def dry_run(cfg: JobConfig, device: str | None = None, task_cls: type[Task] | No
         notes.append(f"training.skip_steps skips {skipped} of the {total} steps")
     _evaluate(cfg, task, model, target, report)
     return report
+
+
+def _checkpointable(
+    cfg: JobConfig, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, steps: int
+) -> None:
+    """The state a checkpoint after the first steps would hold loads back through the safe loader, as a
+    worker checks at its setup (``cluster.session.check_writable``); DryRunError naming the value else."""
+    pos = RunPosition.start(cfg)
+    pos.global_step = pos.step_in_epoch = steps
+    try:
+        check_writable(model, optimizer, scheduler, pos, cfg.scaling.num_workers, cfg.training.seed, cfg.task)
+    except ConfigError as exc:
+        raise DryRunError(str(exc)) from None
 
 
 def _device(cfg: JobConfig, device: str | None, notes: list[str]) -> torch.device:

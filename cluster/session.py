@@ -2,12 +2,14 @@
 
 Each part is built the same way on every rank: the process group joined through rank 0's store, the model
 (the task's, seeded alike; a survivor's own after a failure), the sampler, and rank 0's checkpoint writer.
-Which state the session starts from (a peer's or a checkpoint's) is ``cluster.worker_recovery``'s.
+Which state the session starts from (a peer's or a checkpoint's) is ``cluster.worker_recovery``'s;
+:func:`check_writable` refuses, at setup, a state that no checkpoint could hold.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,11 +22,13 @@ from cluster import dist as cdist
 from cluster.checkpoint import CheckpointStore, CheckpointWriter
 from cluster.config import JobConfig
 from cluster.data import ResumableDistributedSampler
-from cluster.errors import ConfigError
+from cluster.ddp import is_zero
+from cluster.errors import CheckpointError, ConfigError
 from cluster.group import SetupInfo
+from cluster.safe_state import check_loadable
 from cluster.schedule import Schedule
 from cluster.task import Task
-from cluster.train_state import Scheduler
+from cluster.train_state import RunPosition, Scheduler, capture
 
 
 @dataclass
@@ -122,3 +126,46 @@ def writer_for(
         kept.close(flush=True)
         return None
     return kept
+
+
+def check_writable(
+    raw_model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Scheduler | None,
+    pos: RunPosition,
+    world_size: int,
+    seed: int,
+    task: str,
+) -> None:
+    """ConfigError unless the state a checkpoint at ``pos`` would hold (``model.pt`` and ``train_state.pt``)
+    loads back through the safe loader: a state that cannot be loaded is never written, and a run that
+    could never resume is refused before its first step, not at each checkpoint. The message names the
+    refused value's type, where it sits and the fix (``cluster.safe_state.check_loadable``).
+
+    Every rank holds the same state here (the task's, or the one it resumed), so every rank checks and
+    raises alike without a collective. Tensors always load: only their containers and the other values
+    are round-tripped, so the check costs no copy of the weights or the optimizer's moments. A sharded
+    optimizer's whole state needs a collective: its local shard, which holds the same kinds of values,
+    is checked instead."""
+    zero = is_zero(optimizer)
+    state = capture(pos, world_size, seed, optimizer, scheduler, with_optimizer=not zero)
+    if zero:
+        state.optimizer = optimizer.optim.state_dict()  # type: ignore[attr-defined]
+    try:
+        check_loadable(_skeleton(raw_model.state_dict()), "model.pt")
+        check_loadable(_skeleton(state.state_dict()), "train_state.pt")
+    except CheckpointError as exc:
+        raise ConfigError(f"{task}'s training state cannot be checkpointed: {exc}") from None
+
+
+def _skeleton(obj: Any) -> Any:
+    """``obj`` with each plain tensor replaced by an empty one of its dtype: the same structure and the same
+    kinds of values for the safe loader, without the bytes (a tensor subclass is kept whole: the loader may
+    refuse it)."""
+    if type(obj) in (dict, OrderedDict):
+        return type(obj)((k, _skeleton(v)) for k, v in obj.items())
+    if type(obj) in (list, tuple):
+        return type(obj)(_skeleton(v) for v in obj)
+    if type(obj) in (torch.Tensor, nn.Parameter):
+        return torch.empty(0, dtype=obj.dtype)
+    return obj

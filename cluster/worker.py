@@ -303,7 +303,7 @@ class Worker:
         optimizer, scheduler = self._optimizer(raw_model, total_steps)
         t["ddp"] = time.time()
         resume, skipped, self.pos = recovery.resume(
-            store, self.rank, cfg, raw_model, optimizer, scheduler, self.pos, rollback
+            store, self.rank, cfg, raw_model, optimizer, scheduler, self.pos, sampler, rollback
         )
         if resume.source == "checkpoint":
             self._last_checkpoint = resume.global_step  # it exists: an evaluation here never writes it again

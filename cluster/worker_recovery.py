@@ -12,6 +12,7 @@ driver is told and the :class:`RunPosition` the worker continues from. The drive
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from typing import Any
@@ -23,12 +24,13 @@ from torch import nn
 from cluster import dist as cdist
 from cluster.checkpoint import CheckpointStore, step_dir
 from cluster.config import JobConfig
-from cluster.data import TORCH_ORDER
+from cluster.data import ResumableDistributedSampler
 from cluster.ddp import unsendable
 from cluster.errors import CheckpointError, ConfigError, StorageError
 from cluster.group import ResumePoint
 from cluster.peer import PeerPlan, PeerState, Transfer, broadcast_state, state_digest
 from cluster.schedule import Window, merge_windows
+from cluster.session import check_writable
 from cluster.train_state import RunPosition, Scheduler, TrainState, apply, capture, payload
 
 logger = logging.getLogger(__name__)
@@ -143,6 +145,7 @@ def receive(
             f"rank {rank} holds state {digest[:12]} after the transfer from rank {plan.source}, "
             f"which reported {plan.digest[:12]}: the peer copy is not exact"
         )
+    check_writable(raw_model, optimizer, scheduler, pos, world_size, seed, "the task")
     point = ResumePoint(
         plan.global_step,
         plan.epoch,
@@ -165,11 +168,15 @@ def resume(
     optimizer: torch.optim.Optimizer,
     scheduler: Scheduler | None,
     pos: RunPosition,
+    sampler: ResumableDistributedSampler,
     rollback: Window | None = None,
 ) -> tuple[ResumePoint, list[tuple[int, str]], RunPosition]:
     """Rank 0 picks the newest verified checkpoint (with ``rollback``: :func:`rollback_point`); every
     rank loads that one step. Returns where it resumed, the checkpoints passed over and the position. A
-    fresh start keeps ``pos``'s steps, with a new run's sampler order and no best evaluation."""
+    fresh start is at step 0 with ``pos``'s skip windows, a new run's sampler order and no best
+    evaluation. ConfigError (on every rank alike) when the checkpoint does not fit this job's model or
+    steps per epoch (:func:`check_fits`), or when the state a checkpoint would hold cannot be loaded back
+    (``cluster.session.check_writable``)."""
     t0 = time.perf_counter()
     choice: list[Any] = [None, [], 0, None]
     files: dict[str, Any] | None = None
@@ -178,7 +185,7 @@ def resume(
             loaded = store.load_latest()  # records what it passed over in store.last_skipped
             back = None
         else:
-            loaded, back = rollback_point(store, rollback)
+            loaded, back = rollback_point(store, rollback, cfg.checkpoint.keep_every_steps)
         choice = [
             loaded.info.step if loaded else None,
             list(store.last_skipped),
@@ -189,9 +196,9 @@ def resume(
     dist.broadcast_object_list(choice, src=0)
     step, skipped, nbytes, back = choice
     if step is None:
-        pos.sampler_order = TORCH_ORDER
-        pos.best.state = None
+        pos = dataclasses.replace(RunPosition.start(cfg), skips=list(pos.skips))
         init = init_from(raw_model, rank, cfg) if cfg.training.init_from else None
+        _writable(raw_model, optimizer, scheduler, pos, cfg)
         fresh = ResumePoint(0, 0, 0, None, init_from=init, transfer_s=time.perf_counter() - t0)
         return dataclasses.replace(fresh, skipped_steps=list(pos.skips), rollback=back), skipped, pos
     if files is None:
@@ -203,8 +210,10 @@ def resume(
             f"{url} was written with training.seed={state.seed}, this job has {cfg.training.seed}: "
             "resuming would change the data order mid-run. Keep the seed, or choose a new run name"
         )
+    check_fits(files["model.pt"], state, raw_model, sampler, cfg, store, url)
     pos = apply(state, files["model.pt"], raw_model, optimizer, scheduler, pos)
     pos.skips = merge_windows([*pos.skips, *((a, b) for a, b in state.skipped_steps)])
+    _writable(raw_model, optimizer, scheduler, pos, cfg)
     point = ResumePoint(
         state.global_step,
         state.epoch,
@@ -220,12 +229,109 @@ def resume(
     return point, skipped, pos
 
 
-def rollback_point(store: CheckpointStore, window: Window) -> tuple[Any, dict[str, Any]]:
+def _writable(
+    raw_model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Scheduler | None,
+    pos: RunPosition,
+    cfg: JobConfig,
+) -> None:
+    world_size = dist.get_world_size()
+    check_writable(raw_model, optimizer, scheduler, pos, world_size, cfg.training.seed, cfg.task)
+
+
+def check_fits(
+    weights: dict[str, Any],
+    state: TrainState,
+    raw_model: nn.Module,
+    sampler: ResumableDistributedSampler,
+    cfg: JobConfig,
+    store: CheckpointStore,
+    url: str,
+) -> None:
+    """ConfigError unless the checkpoint at ``url`` fits this job: every tensor of the model by name and
+    shape (as a strict ``load_state_dict``), and its position on this job's steps per epoch. Either
+    changes only with the config (``task_args``, ``training.max_steps_per_epoch``) or the data, so a
+    retry cannot help: the message names the first tensor or the position that does not fit, and the keys
+    whose values differ from the run's ``run.json`` (the config that last started)."""
+    wrong = _first_misfit(weights, raw_model.state_dict())
+    if wrong is not None:
+        changed = _changed(store, cfg, "task_args")
+        raise ConfigError(
+            f"{url}/model.pt does not fit this job's model ({wrong}): "
+            + (
+                f"{changed} changed since the run started. Keep the run's task_args"
+                if changed
+                else f"task_args are the run's, so {cfg.task}.build_model() builds another model now. "
+                "Build the run's model"
+            )
+            + ", or choose a new run name (training.init_from can start it from these weights)"
+        )
+    spe = sampler.steps_per_epoch
+    g, e, s = state.global_step, state.epoch, state.step_in_epoch
+    if s < spe and g == e * spe + s:
+        return
+    was = f", written at {(g - s) // e} steps per epoch" if e > 0 and (g - s) % e == 0 else ""
+    changed = _changed(store, cfg, "training", "max_steps_per_epoch")
+    cap = sampler.max_steps_per_epoch
+    at_most = f", at most training.max_steps_per_epoch={cap}" if cap else ""
+    raise ConfigError(
+        f"{url} is at step {g} (epoch {e}, {s} steps into it{was}), which does not fit this job's {spe} "
+        f"steps per epoch ({sampler.num_samples} samples // training.global_batch_size="
+        f"{sampler.global_batch_size}{at_most}): "
+        + (f"{changed} changed since the run started" if changed else "the dataset's size changed")
+        + ". Resuming would train other batches than the run's and count its epochs wrong: keep the run's "
+        "training.max_steps_per_epoch and dataset, or choose a new run name"
+    )
+
+
+def _first_misfit(weights: dict[str, Any], own: dict[str, Any]) -> str | None:
+    """The first tensor of a strict load of ``weights`` into a model whose state is ``own`` that does not
+    fit, with its shapes (and how many do not); None when all fit."""
+    out = []
+    for name, mine in own.items():
+        theirs = weights.get(name)
+        if theirs is None:
+            out.append(f"{name} {tuple(mine.shape)} is missing from the checkpoint")
+        elif isinstance(theirs, torch.Tensor) and theirs.shape != mine.shape:
+            out.append(f"{name} is {tuple(theirs.shape)} there, {tuple(mine.shape)} in this model")
+    out += [f"{name} is not in this model" for name in weights if name not in own]
+    if not out:
+        return None
+    return out[0] + (f"; {len(out) - 1} more tensors do not fit" if len(out) > 1 else "")
+
+
+def _changed(store: CheckpointStore, cfg: JobConfig, section: str, key: str | None = None) -> str:
+    """``section.key`` (or each key of ``section``) whose value in this job differs from the run's
+    ``run.json`` config, with both values (redacted alike), e.g. ``task_args.d_model=64 (the run's:
+    32)``; "" when none does or ``run.json`` cannot be read (logged)."""
+    try:
+        run = json.loads(store.storage.read_bytes("run.json")).get("config") or {}
+    except (FileNotFoundError, StorageError, ValueError) as exc:
+        logger.warning("could not read run.json to name the config's changes: %s", exc)
+        return ""
+    old, new = run.get(section) or {}, cfg.to_dict()[section]
+    keys = [key] if key is not None else sorted(set(old) | set(new))
+
+    def value(d: dict[str, Any], k: str) -> str:
+        return repr(d[k]) if k in d else "unset"
+
+    return ", ".join(
+        f"{section}.{k}={value(new, k)} (the run's: {value(old, k)})"
+        for k in keys
+        if value(old, k) != value(new, k)
+    )
+
+
+def rollback_point(store: CheckpointStore, window: Window, keep_every: int = 0) -> tuple[Any, dict[str, Any]]:
     """Rank 0, restarting after a NaN loss whose steps ``window`` will be skipped: the newest verified
     checkpoint before the window, so that none of its batches is in the weights; when the newer ones
     kept (``checkpoint.keep_last``) leave none there, the newest before the window's last step (only the
-    steps after it are skipped, then); none: the run's start. Every newer checkpoint is deleted: it
-    trained batches now skipped, and a later recovery must never resume from it."""
+    steps after it are skipped, then); none: the run's start. Every newer checkpoint is taken off the
+    run's path: it trained batches now skipped, and a later recovery must never resume from it. What
+    verified is not lost: the best and the milestones among them (steps that are multiples of
+    ``keep_every``, ``checkpoint.keep_every_steps``) are set aside in ``checkpoints/discarded/``, the
+    others deleted."""
     first, last = window
     loaded = store.load_latest(max_step=first - 1)
     passed = list(store.last_skipped)
@@ -234,11 +340,13 @@ def rollback_point(store: CheckpointStore, window: Window) -> tuple[Any, dict[st
         passed += store.last_skipped
     store.last_skipped = passed
     resume_step = loaded.info.step if loaded is not None else 0
-    discarded = store.discard_after(resume_step)
+    off_path = store.discard_after(resume_step, keep_every=keep_every)
+    aside = list(store.last_set_aside)
     return loaded, {
         "window": list(window),
         "checkpoint_step": resume_step if loaded else None,
-        "discarded": discarded,
+        "discarded": [s for s in off_path if s not in aside],  # deleted
+        "set_aside": sorted(aside),
     }
 
 

@@ -5,6 +5,8 @@ processes import them too:
 - ``SlowCharLM``: the example char-LM with a sleep per step (numerics untouched), so faults land mid-epoch.
 - ``Broken`` breaks the Task contract in one way each (``task_args.mode``), for the dry run's tests.
 - ``MapStyleTask`` trains on a plain map-style dataset (collated batches, no ``get_batch``).
+- ``NumpyLRTask``: ``MapStyleTask`` whose optimizer's learning rate is a numpy scalar (no checkpoint of it
+  loads back through the safe loader).
 """
 
 from __future__ import annotations
@@ -223,3 +225,14 @@ class MapStyleTask(Task):
     def compute_loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
         x, y = batch
         return nn.functional.cross_entropy(model(x), y), {}
+
+
+class NumpyLRTask(MapStyleTask):
+    """``MapStyleTask`` with ``lr`` a ``numpy.float64`` in the optimizer's param groups, as ``np.linspace``
+    or a config read through numpy gives it: torch trains with it, but ``torch.load(weights_only=True)``
+    refuses a state holding it."""
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        import numpy as np
+
+        return torch.optim.SGD(model.parameters(), lr=np.float64(self.args.get("lr", 0.05)), momentum=0.9)
