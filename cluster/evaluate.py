@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,58 +146,20 @@ def evaluate(
     sizes: list[tuple[int, int]] = []
     values: list[torch.Tensor] = []
     was_training = model.training
-    ours = range(rank, batches, world_size)
-
-    def read(b: int) -> Any:
-        return fetch_batch(dataset, torch.arange(b * size, min((b + 1) * size, n)))
-
-    seed = cfg.training.seed
-    stream = (
-        reader([(_seed(seed, step, b), b, b * size, min((b + 1) * size, n)) for b in ours])
-        if reader is not None and len(ours)
-        else None
-    )
-    ahead = (
-        ThreadPoolExecutor(1, thread_name_prefix="cluster-eval-read")
-        if stream is None and getattr(dataset, "read_ahead", False) and len(ours) > 1
-        else None
-    )
+    source = _eval_batches(dataset, range(rank, batches, world_size), size, cfg.training.seed, step, reader)
     model.eval()
     try:
         with torch.no_grad():
-            pending = ahead.submit(read, ours[0]) if ahead is not None else None
-            for i, b in enumerate(ours):
-                if stream is not None:  # read by a loader process, seeded as an in-turn read is
-                    data = next(stream)
-                    torch.default_generator.manual_seed(_seed(cfg.training.seed, step, b))
-                elif pending is None:
-                    torch.default_generator.manual_seed(_seed(cfg.training.seed, step, b))
-                    data = read(b)  # a read that draws random numbers draws them from this batch's seed
-                else:
-                    data = pending.result()
-                    if ahead is not None and i + 1 < len(ours):
-                        pending = ahead.submit(read, ours[i + 1])
-                    torch.default_generator.manual_seed(_seed(cfg.training.seed, step, b))
+            for b, data in source:
                 batch = task.move_to_device(data, device)
                 with autocast():
                     loss, extra = task.compute_eval(model, batch)
-                metrics = extra_metrics(extra, "compute_eval")
-                if names is None:
-                    names = sorted(metrics)
-                elif sorted(metrics) != names:
-                    raise ConfigError(
-                        f"Task.compute_eval returned metrics {sorted(metrics)} for eval batch {b} but "
-                        f"{names} before: return the same names for every batch"
-                    )
-                row = [_scalar(loss, b)] + [
-                    torch.as_tensor(metrics[k], dtype=torch.float64, device=device) for k in names
-                ]
-                values.append(torch.stack([v.to(device) for v in row]))
+                names, row = _eval_row(loss, extra, names, b, device)
+                values.append(row)
                 sizes.append((b, min((b + 1) * size, n) - b * size))
                 progress()
     finally:
-        if ahead is not None:
-            ahead.shutdown(wait=True, cancel_futures=True)
+        source.close()
         model.train(was_training)
         _restore_buffers(model, own)
     host = torch.stack(values).cpu().tolist() if values else []  # one device read for the whole pass
@@ -210,6 +172,66 @@ def evaluate(
     result = _combine(everyone, batches, time.perf_counter() - t0)
     result.step = step
     return result
+
+
+def _eval_batches(
+    dataset: Any,
+    ours: range,
+    size: int,
+    seed: int,
+    step: int,
+    reader: Callable[[list[tuple[int, int, int, int]]], Iterator[Any]] | None,
+) -> Generator[tuple[int, Any], None, None]:
+    """This rank's eval batches ``(b, data)`` in order, each with the RNG seeded from (seed, step, b) as
+    an in-turn read has it (a read that draws random numbers draws them from its batch's seed): read by
+    loader processes (``reader``), one ahead in a thread (a dataset with ``read_ahead``), or in turn."""
+    n = len(dataset)
+
+    def read(b: int) -> Any:
+        return fetch_batch(dataset, torch.arange(b * size, min((b + 1) * size, n)))
+
+    if reader is not None and len(ours):
+        stream = reader([(_seed(seed, step, b), b, b * size, min((b + 1) * size, n)) for b in ours])
+        for b in ours:
+            data = next(stream)
+            torch.default_generator.manual_seed(_seed(seed, step, b))
+            yield b, data
+        return
+    if getattr(dataset, "read_ahead", False) and len(ours) > 1:
+        ahead = ThreadPoolExecutor(1, thread_name_prefix="cluster-eval-read")
+        try:
+            pending = ahead.submit(read, ours[0])
+            for i, b in enumerate(ours):
+                data = pending.result()
+                if i + 1 < len(ours):
+                    pending = ahead.submit(read, ours[i + 1])
+                torch.default_generator.manual_seed(_seed(seed, step, b))
+                yield b, data
+        finally:
+            ahead.shutdown(wait=True, cancel_futures=True)
+        return
+    for b in ours:
+        torch.default_generator.manual_seed(_seed(seed, step, b))
+        yield b, read(b)
+
+
+def _eval_row(
+    loss: Any, extra: Any, names: list[str] | None, b: int, device: torch.device
+) -> tuple[list[str], torch.Tensor]:
+    """One eval batch's loss and metrics as a float64 row on the device (the metric names fixed by the
+    first batch: every batch must return the same)."""
+    metrics = extra_metrics(extra, "compute_eval")
+    if names is None:
+        names = sorted(metrics)
+    elif sorted(metrics) != names:
+        raise ConfigError(
+            f"Task.compute_eval returned metrics {sorted(metrics)} for eval batch {b} but {names} before: "
+            "return the same names for every batch"
+        )
+    row = [_scalar(loss, b)] + [
+        torch.as_tensor(metrics[k], dtype=torch.float64, device=device) for k in names
+    ]
+    return names, torch.stack([v.to(device) for v in row])
 
 
 def _scalar(loss: Any, batch: int) -> torch.Tensor:

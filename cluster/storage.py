@@ -341,13 +341,34 @@ class Storage:
         self.retry(f"copying {self.url(src)}", lambda: self.fs.copy(self._p(src), self._p(dst)))
 
     def read_bytes(self, rel: str) -> bytes:
-        data: bytes = self.retry(f"reading {self.url(rel)}", lambda: self.fs.cat_file(self._p(rel)))
+        path = self._p(rel)
+
+        def cat() -> bytes:
+            try:
+                return bytes(self.fs.cat_file(path))
+            except FileNotFoundError:
+                # An object store's client answers "missing" from a listing it cached when the file was
+                # created since by another process (s3fs does): look once more, past the cache.
+                self.fs.invalidate_cache(path.rsplit("/", 1)[0])
+                return bytes(self.fs.cat_file(path))
+
+        data: bytes = self.retry(f"reading {self.url(rel)}", cat)
         self.reads += 1
         self.bytes_read += len(data)
         return data
 
     def exists(self, rel: str) -> bool:
-        return bool(self.retry(f"checking {self.url(rel)}", lambda: self.fs.exists(self._p(rel))))
+        path = self._p(rel)
+
+        def look() -> bool:
+            if self.fs.exists(path):
+                return True
+            if self.local:
+                return False
+            self.fs.invalidate_cache(path.rsplit("/", 1)[0])  # as ``read_bytes``: past a cached listing
+            return bool(self.fs.exists(path))
+
+        return bool(self.retry(f"checking {self.url(rel)}", look))
 
     def listdir(self, rel: str = "") -> list[str]:
         """Names (not paths) directly under ``rel``; empty when it does not exist."""

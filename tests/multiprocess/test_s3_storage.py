@@ -141,3 +141,17 @@ def test_failing_storage_error_never_shows_secrets(moto_s3: MotoS3, monkeypatch:
     msg = str(info.value)
     assert "s3://bucket/runs/leak" in msg
     assert secret not in msg and "AKIA-LEAK-CHECK" not in msg
+
+
+def test_a_file_another_client_created_after_a_listing_is_read_and_seen(moto_s3: MotoS3) -> None:
+    """s3fs answers "missing" from a listing it cached, for a file another process created since: the
+    storage looks again past the cache (a lease's newer generation, a manifest written by rank 0)."""
+    import s3fs
+
+    run = Storage(moto_s3.url("runs/cache"), moto_s3.options)
+    run.write_bytes("lease/gen_000001.json", b"1")
+    assert run.listdir("lease") == ["gen_000001.json"]  # the listing is cached now
+    other = s3fs.S3FileSystem(skip_instance_cache=True, **moto_s3.options)
+    other.pipe_file("bucket/runs/cache/lease/gen_000002.json", b"2")
+    assert run.exists("lease/gen_000002.json")
+    assert run.read_bytes("lease/gen_000002.json") == b"2"
