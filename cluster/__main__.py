@@ -40,13 +40,21 @@ from cluster.storage import url_problem
 T = TypeVar("T")
 
 
-def _options(pairs: list[str]) -> dict[str, Any]:
+def _options(pairs: list[str], what: str = "storage option") -> dict[str, Any]:
+    """``key=value`` pairs (``-o``, ``--task-arg``), each value read as YAML; InspectError (exit 2) names a
+    malformed one."""
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
-            raise inspect.InspectError(f"storage option {pair!r} must look like key=value")
-        out[key] = yaml.safe_load(raw) if raw.strip() else ""
+            raise inspect.InspectError(f"{what} {pair!r} must look like key=value")
+        try:
+            out[key] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            problem = getattr(exc, "problem", None) or type(exc).__name__
+            raise inspect.InspectError(
+                f"{what} {pair!r}: the value is not valid YAML ({problem}); quote it, e.g. {key}='\"{raw}\"'"
+            ) from None
     return out
 
 
@@ -272,13 +280,17 @@ def _step_arg(value: str | None) -> int | Literal["best"] | None:
 def _eval(args: argparse.Namespace, options: dict[str, Any]) -> int:
     from cluster.load import evaluate_checkpoint
 
-    storage = inspect.open_run(args.url, args.name, options)
+    for flag, value in (("--batch-size", args.batch_size), ("--max-batches", args.max_batches)):
+        if value is not None and value < 1:
+            return _error(f"error: {flag} {value} must be at least 1 (or left out: the run's)", 2)
+    task_args = _options(args.task_arg, "--task-arg")
     step = _step_arg(args.step)
+    storage = inspect.open_run(args.url, args.name, options)
     res = evaluate_checkpoint(
         storage.root,
         step,
         options,
-        task_args=_options(args.task_arg),
+        task_args=task_args,
         device=args.device,
         batch_size=args.batch_size,
         max_batches=args.max_batches,

@@ -93,6 +93,7 @@ def ensure_ray(cfg: JobConfig) -> bool:
     if ray.is_initialized():
         return False
     if os.environ.get("RAY_ADDRESS"):
+        _check_reachable(os.environ["RAY_ADDRESS"])
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
         return True
     s = cfg.scaling
@@ -100,6 +101,29 @@ def ensure_ray(cfg: JobConfig) -> bool:
         max(os.cpu_count() or 1, int(s.num_workers * s.cpus_per_worker + 0.999))
     )  # fits: preflight
     return True
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """ConfigError when nothing answers at ``RAY_ADDRESS``'s host and port: ``ray.init`` would retry for
+    minutes and then fail with a wall of warnings. ``auto`` and addresses without a port are Ray's to find."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(address if "://" in address else f"ray://{address}")
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:  # a port that is not a number
+        raise ConfigError(f"RAY_ADDRESS={address!r} must look like host:port (e.g. 10.0.0.1:6379)") from None
+    if not host or port is None or address == "auto":
+        return
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConfigError(
+            f"RAY_ADDRESS={address!r}: nothing answers at {host}:{port} ({exc.strerror or exc}); start the "
+            "cluster (ray start --head, or ray up), fix the address, or unset RAY_ADDRESS to train on an "
+            "embedded local Ray"
+        ) from None
 
 
 def check_cluster(cfg: JobConfig) -> None:

@@ -507,6 +507,7 @@ def from_dict(data: dict[str, Any]) -> JobConfig:
 
 def validate(cfg: JobConfig) -> None:
     """Raise ConfigError naming the first impossible value and the fix (the sections in this order)."""
+    _finite(cfg)
     _validate_job(cfg)
     _validate_scaling(cfg.scaling)
     _validate_training(cfg.training, cfg.scaling, cfg.effective_min_workers)
@@ -516,6 +517,40 @@ def validate(cfg: JobConfig) -> None:
     _validate_tracking(cfg.tracking)
     _validate_metrics(cfg.metrics)
     _validate_injected_faults(cfg.failures.inject, cfg.scaling.num_workers)
+
+
+def _finite(cfg: Any, prefix: str = "") -> None:
+    """Every number of a float key (at any depth: ``scaling.resources_per_worker.NAME`` too) is finite.
+    YAML's ``.nan`` and ``.inf`` are floats that pass every ``<`` and ``>`` check the sections make (a NaN
+    hang timeout would turn hang detection off, a NaN wait would wait forever), so they are refused here,
+    once, before the sections are checked."""
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        key, value = prefix + f.name, getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            _finite(value, key + ".")
+            continue
+        items = (
+            value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        )
+        for k, v in [(None, value), *items]:
+            if isinstance(v, float) and not math.isfinite(v):
+                where = key if k is None else f"{key}[{k}]" if isinstance(k, int) else f"{key}.{k}"
+                optional = k is None and type(None) in typing.get_args(hints[f.name])
+                raise ConfigError(
+                    f"{where}={v!r} is not a finite number (YAML .nan and .inf are floats, but no setting "
+                    f"can use them); give a number{', or null' if optional else ''}"
+                )
+
+
+SEED_MAX = 2**63 - 1
+"""The largest ``training.seed``: torch's generators take 64-bit seeds and each epoch's permutation is
+seeded ``seed + epoch`` (``cluster.data.epoch_seed``), so a seed near 2**64 would fail epochs in."""
+
+MIN_HANG_TIMEOUT_S = 3.0
+"""The shortest ``failures.hang_timeout_s``: the driver sees a rank's progress only at its heartbeat (every
+second, and a heartbeat may take up to a second more to answer), so a shorter timeout would call a healthy
+rank hung between two heartbeats."""
 
 
 def _validate_job(cfg: JobConfig) -> None:
@@ -571,6 +606,11 @@ def _validate_training(t: TrainingConfig, s: ScalingConfig, min_workers: int) ->
         raise ConfigError(f"training.epochs={t.epochs} must be at least 1")
     if t.grad_accum_steps < 1:
         raise ConfigError(f"training.grad_accum_steps={t.grad_accum_steps} must be at least 1")
+    if not 0 <= t.seed <= SEED_MAX:
+        raise ConfigError(
+            f"training.seed={t.seed} is outside 0..2**63-1 ({SEED_MAX}), the seeds torch's generators take "
+            "with room for each epoch's seed; pick a seed in that range"
+        )
     if t.time_limit_s is not None and not t.time_limit_s > 0:
         raise ConfigError(f"training.time_limit_s={t.time_limit_s} must be positive seconds, or null")
     if t.init_from is not None:
@@ -652,6 +692,12 @@ def _validate_failures(f: FailureConfig) -> None:
     if f.hang_timeout_s is not None and f.hang_timeout_s <= 0:
         raise ConfigError(
             f"failures.hang_timeout_s={f.hang_timeout_s} must be positive, or null for automatic"
+        )
+    if f.hang_timeout_s is not None and f.hang_timeout_s < MIN_HANG_TIMEOUT_S:
+        raise ConfigError(
+            f"failures.hang_timeout_s={f.hang_timeout_s:g} is shorter than the driver's heartbeat can "
+            f"measure (a beat a second, answered within a second): use at least {MIN_HANG_TIMEOUT_S:g}, "
+            "or null for automatic"
         )
     if f.hang_timeout_floor_s <= 0:
         raise ConfigError(f"failures.hang_timeout_floor_s={f.hang_timeout_floor_s} must be positive")

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 
 from cluster.config import FailureConfig
-from cluster.errors import Failure
+from cluster.errors import Failure, WorkerError
 from cluster.group import Heartbeat
 
 
@@ -21,7 +21,8 @@ class Decision:
 
 class FailurePolicy:
     """Restart with exponential backoff until ``max_failures``; the same user error at the same step
-    twice is a bug, not bad luck, and fails at once."""
+    twice is a bug, not bad luck, and fails at once, as does one every rank raised in set-up (whatever
+    ``max_failures`` says: the task cannot start anywhere)."""
 
     def __init__(self, cfg: FailureConfig) -> None:
         self.cfg = cfg
@@ -41,6 +42,13 @@ class FailurePolicy:
                 f"a configuration error, found on rank {failure.error.rank} while training: "
                 f"{failure.error.message}. Retrying cannot help: fix it, then rerun the same job to resume",
             )
+        if (
+            failure.kind == "user_error"
+            and e is not None
+            and e.detail.get("phase") == "setup"
+            and e.detail.get("every_rank")
+        ):
+            return Decision(False, _setup_reason(e))
         if failure.kind == "user_error" and failure.error is not None:
             for prev in history[:-1]:
                 if prev.error is not None and prev.error.signature == failure.error.signature:
@@ -62,6 +70,15 @@ class FailurePolicy:
 
     def _budget(self) -> str:
         return "unlimited" if self.cfg.max_failures == -1 else str(self.cfg.max_failures)
+
+
+def _setup_reason(e: WorkerError) -> str:
+    message = " ".join(e.message.split())[:500]
+    return (
+        f"{e.exc_type} at {e.detail.get('where')}: {message}, raised in set-up on every rank: the task's "
+        "code (or its config) fails the same way wherever it runs, so retrying cannot help. Fix it "
+        "(python -m jobs.train --dry-run tries the set-up on this machine), then rerun"
+    )
 
 
 class HangWatch:

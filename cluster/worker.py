@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -43,7 +44,7 @@ from cluster import worker_recovery as recovery
 from cluster.checkpoint import CheckpointStore, CommitRecord
 from cluster.config import JobConfig
 from cluster.data import InputPipeline, ResumableDistributedSampler
-from cluster.errors import ConfigError, DivergedError, WorkerError
+from cluster.errors import ConfigError, DivergedError, StorageError, WorkerError
 from cluster.evaluate import eval_batch_count
 from cluster.faults import Faults
 from cluster.group import EpochResult, Heartbeat, ResumePoint, SetupInfo
@@ -201,7 +202,58 @@ class Worker:
         from rank ``peers.source`` over the new group when a peer plan is given (a survivor keeps its own
         model and optimizer), else from the newest verified checkpoint: with ``rollback`` (after a NaN loss),
         the newest before that window. ``skips``: the driver's skip windows (the run's checkpoint adds its
-        own)."""
+        own).
+
+        An exception of the task's code (its ``__init__``, ``build_*``), of a checkpoint that does not fit
+        its model, or of the process group raises as a :class:`WorkerError` with ``detail`` ``phase``
+        (``setup``), ``where`` (the innermost ``file:line`` of the task's code, else of this package) and
+        ``every_rank`` (every rank raised the same error: it will again, whatever is retried). The errors
+        the driver handles by their type (ConfigError, StorageError and theirs) pass as they are."""
+        step = self.pos.global_step
+        try:
+            return self._setup(host, port, peers, skips, rollback)
+        except (ConfigError, StorageError):
+            raise
+        except Exception as exc:
+            err = self._setup_error(exc, step)
+        raise err
+
+    def _setup_error(self, exc: Exception, step: int) -> WorkerError:
+        """The WorkerError of an exception raised in set-up; whether every rank raised the same is agreed
+        through the rendezvous store (each failing rank posts its error there and waits a moment for the
+        others'; the ranks that did not fail wait in a collective until the driver ends them)."""
+        where = user_frame(exc)
+        detail: dict[str, Any] = {"phase": "setup", "where": where}
+        detail["every_rank"] = self._same_on_every_rank(f"{type(exc).__name__}\0{exc}\0{where}")
+        return WorkerError(self.rank, step, type(exc).__name__, str(exc), traceback.format_exc(), detail)
+
+    def _same_on_every_rank(self, signature: str) -> bool:
+        if self.world_size == 1:
+            return True
+        store = self._store
+        if store is None:  # never connected: nothing to agree through
+            return False
+        keys = [f"cluster/setup_error/{r}" for r in range(self.world_size)]
+        try:
+            store.set(keys[self.rank], signature)
+            deadline = time.monotonic() + SETUP_AGREE_S
+            while not store.check(keys):
+                if time.monotonic() > deadline:
+                    return False  # another rank set up without this error (or is slower than the wait)
+                time.sleep(0.05)
+            return all(store.get(k).decode() == signature for k in keys)
+        except Exception as exc:  # the store went with rank 0's process: no agreement to be had
+            logger.warning("could not compare the set-up error with the other ranks': %s", exc)
+            return False
+
+    def _setup(
+        self,
+        host: str,
+        port: int,
+        peers: PeerPlan | None,
+        skips: list[Window] | None,
+        rollback: Window | None,
+    ) -> TrainSession:
         t = {**self._connect_marks, "start": time.time()}  # ``connect``'s, when it ran
         self._connect_marks = {}
         cfg = self.cfg
@@ -712,6 +764,36 @@ class Worker:
         self._max_step_time = 0.0
         self._last_step_at = time.time()
         self.faults = Faults(self.cfg, rank, attempt)
+
+
+SETUP_AGREE_S = 5.0
+"""How long a rank that failed in set-up waits for the other ranks' errors, to tell an error every rank
+raises (a bug: the run stops) from one rank's (retried)."""
+
+
+def user_frame(exc: BaseException) -> str:
+    """``file:line`` where ``exc`` was raised in the task's code: the innermost frame outside Python's
+    library, the installed packages and this package; else the innermost in this package (a checkpoint
+    that does not fit the model fails in ``cluster``); else the innermost of all. Paths are relative to
+    the ``sys.path`` entry they were imported from, as the user's editor shows them."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    here = os.path.dirname(os.path.abspath(__file__))
+    libs = tuple(
+        {
+            os.path.dirname(os.__file__),
+            *(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))),
+        }
+    )
+    ours = [f for f in frames if not os.path.abspath(f.filename).startswith(libs)]
+    theirs = [f for f in ours if not os.path.abspath(f.filename).startswith(here + os.sep)]
+    if not frames:
+        return "?"
+    chosen = (theirs or ours or frames)[-1]
+    path = os.path.abspath(chosen.filename)
+    roots = [os.path.abspath(p) for p in sys.path if p and path.startswith(os.path.abspath(p) + os.sep)]
+    if roots:
+        path = os.path.relpath(path, max(roots, key=len))
+    return f"{path}:{chosen.lineno}"
 
 
 def _checked_eval_set(dataset: Any, task: str) -> Any:

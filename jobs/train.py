@@ -81,21 +81,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.config_file is not None:
             cfg = load_config(data=_read_config_file(args.config_file), overrides=args.overrides)
         elif args.config_json is not None:
-            cfg = load_config(data=json.loads(args.config_json), overrides=args.overrides)
+            cfg = load_config(
+                data=_spec(json.loads(args.config_json), "--config-json"), overrides=args.overrides
+            )
         else:
-            cfg = load_config(args.config, args.overrides)
+            cfg = load_config(_readable(args.config), args.overrides)
     except json.JSONDecodeError as exc:
-        print(f"config error: the config is not JSON: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(f"config error: the config is not JSON: {exc}")
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(f"config error: {exc}")
 
     try:
         preflight(cfg)  # an unknown task or storage the workers cannot see, found before Ray starts
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(f"config error: {exc}")
     if args.dry_run:
         from cluster.dryrun import DryRunError, dry_run, format_report
 
@@ -108,7 +107,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"config error: {exc}", file=sys.stderr)
             return 2
         return 0
-    started = ensure_ray(cfg)
+    try:
+        started = ensure_ray(cfg)
+    except ConfigError as exc:  # RAY_ADDRESS names no reachable cluster
+        return _refuse(f"config error: {exc}")
 
     # Outside `train` (which stops cleanly on a first signal), SIGTERM becomes an exception so the
     # finally-blocks kill the workers; committed checkpoints are never touched. Installed after ray.init,
@@ -170,9 +172,31 @@ def _read_config_file(path: str) -> dict[str, object]:
             ".rayignore there (Ray leaves out what they list) or runtime_env excludes left it out; keep "
             ".cluster/ out of them"
         ) from None
+    return _spec(data, f"--config-file {path!r}")
+
+
+def _spec(data: object, where: str) -> dict[str, object]:
+    """A job spec given as JSON is an object of sections; ConfigError for a list, a number..."""
     if not isinstance(data, dict):
-        raise ConfigError(f"--config-file {path!r} holds {type(data).__name__}, not a job spec (an object)")
+        raise ConfigError(f"{where} holds {type(data).__name__}, not a job spec (a JSON object of sections)")
     return data
+
+
+def _readable(path: str) -> str:
+    """``--config``: a file that can be read (a folder or an unreadable file is a config error, exit 2)."""
+    if os.path.isdir(path):
+        raise ConfigError(
+            f"--config {path!r} is a folder; pass the YAML file, e.g. jobs/configs/tiny_cpu.yaml"
+        )
+    if os.path.exists(path) and not os.access(path, os.R_OK):
+        raise ConfigError(f"--config {path!r} cannot be read (permissions); pass a readable YAML file")
+    return path
+
+
+def _refuse(text: str) -> int:
+    """A mistake found before anything started: one line on stderr, exit status 2."""
+    print(" ".join(text.split()), file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -25,10 +25,14 @@ def classify(
     A dead process beats a user exception, which beats the collateral errors (connection reset by
     peer) that a death causes on the survivors; a death whose node is gone is a lost node. With
     ``starting``, an error that did not come from Ray (a timeout waiting for the ranks, a refused GPU
-    assignment) is ``start_failed``.
+    assignment) is ``start_failed``. An exception a rank raised in set-up is a ``user_error`` of that rank
+    (:func:`setup_failure`).
     """
     if starting and not isinstance(exc, RayError):
         return Failure("start_failed", None, f"{type(exc).__name__}: {exc}")
+    cause = exc.cause if isinstance(exc, RayTaskError) else None
+    if isinstance(cause, WorkerError) and cause.detail.get("phase") == "setup":
+        return setup_failure(cause)
     errors = rank_errors(pending, 0.5)
     only_collateral = errors and all(
         not isinstance(e, RayActorError) and _collateral(_describe(e)) for e in errors.values()
@@ -48,6 +52,14 @@ def classify(
         cause = err.cause if isinstance(err.cause, WorkerError) else None
         return Failure("user_error", rank, str(cause) if cause else short(err), cause)
     return Failure("worker_died", None, short(exc))
+
+
+def setup_failure(error: WorkerError) -> Failure:
+    """A rank's exception in set-up (``Worker.setup``): a ``user_error`` whose first line names the
+    exception, its message and the ``file:line`` of the task's code that raised it."""
+    ranks = "every rank" if error.detail.get("every_rank") else f"rank {error.rank}"
+    first = f"{error.exc_type} in set-up at {error.detail.get('where')} on {ranks}: {error.message}"
+    return Failure("user_error", error.rank, f"{' '.join(first.split())}\n{error.traceback}", error)
 
 
 def rank_errors(refs: list[Any], timeout: float) -> dict[int, BaseException]:

@@ -4,6 +4,7 @@ processes import them too:
 - ``AuditTask`` records which sample ids each rank trained at each step; ``audit`` checks them (exactly once).
 - ``SlowCharLM``: the example char-LM with a sleep per step (numerics untouched), so faults land mid-epoch.
 - ``Broken`` breaks the Task contract in one way each (``task_args.mode``), for the dry run's tests.
+- ``RaisesIn`` raises in one set-up method (``task_args.method``), on every rank or some.
 - ``MapStyleTask`` trains on a plain map-style dataset (collated batches, no ``get_batch``).
 - ``NumpyLRTask``: ``MapStyleTask`` whose optimizer's learning rate is a numpy scalar (no checkpoint of it
   loads back through the safe loader).
@@ -236,3 +237,51 @@ class NumpyLRTask(MapStyleTask):
         import numpy as np
 
         return torch.optim.SGD(model.parameters(), lr=np.float64(self.args.get("lr", 0.05)), momentum=0.9)
+
+
+SETUP_METHODS = (
+    "__init__",
+    "build_train_dataset",
+    "build_eval_dataset",
+    "build_model",
+    "build_optimizer",
+    "build_scheduler",
+)
+"""The Task methods a worker calls in set-up, in the order it calls them (``RaisesIn``)."""
+
+
+class RaisesIn(Broken):
+    """``Broken`` (mode ok) that raises ``ValueError`` in one set-up method: task_args.method (one of
+    :data:`SETUP_METHODS`); task_args.ranks: the ranks that raise (default every rank); task_args.hidden:
+    the model's width (a checkpoint of one width does not fit a model of another)."""
+
+    def __init__(self, **task_args: Any) -> None:
+        super().__init__(**task_args)
+        self._maybe_raise("__init__")
+
+    def _maybe_raise(self, method: str) -> None:
+        ranks = self.args.get("ranks")
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if self.args.get("method") == method and (ranks is None or rank in ranks):
+            raise ValueError(f"task_args.method={method}: raised on purpose")  # RaisesIn: this line
+
+    def build_train_dataset(self) -> Any:
+        self._maybe_raise("build_train_dataset")
+        return super().build_train_dataset()
+
+    def build_eval_dataset(self) -> Any:
+        self._maybe_raise("build_eval_dataset")
+        return super().build_eval_dataset()
+
+    def build_model(self) -> nn.Module:
+        self._maybe_raise("build_model")
+        width = int(self.args.get("hidden", 8))
+        return nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 2))
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        self._maybe_raise("build_optimizer")
+        return super().build_optimizer(model)
+
+    def build_scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
+        self._maybe_raise("build_scheduler")
+        return super().build_scheduler(optimizer, total_steps)
