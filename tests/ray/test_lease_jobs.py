@@ -31,7 +31,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def job(
     storage: str, name: str, options: dict[str, Any] | None, *extra: str, log: str
 ) -> subprocess.Popen[str]:
-    sets = overrides(storage, name, "task_args.step_sleep_s=0.1", "scaling.num_workers=2", *extra)
+    sets = overrides(storage, name, "task_args.step_sleep_s=0.1", *extra)
     if options is not None:
         sets.append(f"storage.options={json.dumps(options)}")
     cmd = [sys.executable, "-m", "jobs.train", "--config", "jobs/configs/tiny_cpu.yaml"]
@@ -75,7 +75,8 @@ def test_a_second_job_is_refused_and_a_paused_one_is_taken_over_and_fenced(
 ) -> None:
     storage, options = where
     run = Storage(f"{storage}/shared", options)
-    first = job(storage, "shared", options, log=f"{tmp_path}/first.log")
+    slow = "task_args.step_sleep_s=1.0"  # ~25 s left after its step-5 checkpoint: the second job sees it run
+    first = job(storage, "shared", options, slow, log=f"{tmp_path}/first.log")
     try:
         wait_for(lambda: 5 in _committed(run), 240, "the first job's checkpoint at step 5")
         second = job(storage, "shared", options, log=f"{tmp_path}/second.log")
@@ -85,7 +86,7 @@ def test_a_second_job_is_refused_and_a_paused_one_is_taken_over_and_fenced(
         assert generations(run) == [1]  # the refused job took nothing
 
         os.kill(first.pid, signal.SIGSTOP)  # a driver paused: its lease stops beating, its workers go on
-        third = job(storage, "shared", options, log=f"{tmp_path}/third.log")
+        third = job(storage, "shared", options, log=f"{tmp_path}/third.log")  # (at the usual pace)
         assert third.wait(400) == 0, open(f"{tmp_path}/third.log").read()[-3000:]
         took = open(f"{tmp_path}/third.log").read()
         assert "watching its beat" in took
