@@ -96,13 +96,16 @@ def submit(
     working_dir: str = ".",
     runtime_env: dict[str, Any] | None = None,
     job_id: str | None = None,
+    takeover: bool = False,
 ) -> SubmittedJob:
     """Submit ``python -m jobs.train`` with ``config`` (a YAML path inside ``working_dir``, with ``overrides``
     as ``--set``; or a ``JobConfig``) to the Ray cluster at ``address`` (its dashboard, e.g.
     ``http://127.0.0.1:8265``; default ``RAY_ADDRESS``), shipping ``working_dir`` (your task's code, the
     ``cluster`` package) to every node. ``runtime_env`` adds to the one built here (``excludes``,
     ``env_vars``). The config is loaded and checked here first: ConfigError before anything is submitted.
-    The resolved config (overrides applied) reaches the job as a file (the module docstring)."""
+    The resolved config (overrides applied) reaches the job as a file (the module docstring). One job
+    trains a run at a time (``cluster.lease``): while another holds it, this job fails with exit 2 naming
+    it; ``takeover=True`` takes the run from a job that is gone."""
     overrides = list(overrides or [])
     root = os.path.abspath(working_dir)
     if isinstance(config, JobConfig):
@@ -139,17 +142,20 @@ def submit(
         ) from None
     rel = write_config_file(cfg, root)
     try:  # the upload of working_dir happens inside submit_job: the file is needed until it returns
-        submitted = client.submit_job(entrypoint=entrypoint(rel), runtime_env=env, submission_id=job_id)
+        command = entrypoint(rel, takeover)
+        submitted = client.submit_job(entrypoint=command, runtime_env=env, submission_id=job_id)
     finally:
         remove_config_file(root, rel)
     run_url = join(normalize_url(cfg.storage.url), cfg.name)
     return SubmittedJob(str(submitted), address, run_url, cfg)
 
 
-def entrypoint(config_file: str) -> str:
+def entrypoint(config_file: str, takeover: bool = False) -> str:
     """The job's command line: names the config file (relative to the working directory), holds no value
     of it."""
-    return shlex.join(["python", "-m", "jobs.train", "--config-file", config_file])
+    return shlex.join(
+        ["python", "-m", "jobs.train", "--config-file", config_file, *(["--takeover"] if takeover else [])]
+    )
 
 
 def write_config_file(cfg: JobConfig, root: str) -> str:

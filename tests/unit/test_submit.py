@@ -54,6 +54,7 @@ def test_the_config_travels_as_a_file_never_on_the_command_line(tmp_path: Any) -
     rel = write_config_file(cfg, str(tmp_path))
     line = entrypoint(rel)
     assert line == f"python -m jobs.train --config-file {rel}"
+    assert entrypoint(rel, takeover=True) == f"python -m jobs.train --config-file {rel} --takeover"
     path = tmp_path / rel
     assert os.stat(path).st_mode & 0o777 == 0o600
     assert load_config(data=json.loads(path.read_text())) == cfg
