@@ -115,3 +115,12 @@ def device_broken(error: WorkerError | None) -> bool:
     return error.exc_type in ("AcceleratorError", "CudaError") or any(
         marker in text for marker in ("CUDA error", "CUDA kernel errors", "device-side assert", "cuDNN error")
     )
+
+
+class LeaseHeldError(ClusterError):
+    """Another job holds the run's lease and is alive (``cluster.lease``): this one must not write to the
+    run. Its message names the job; ``takeover=True`` / ``--takeover`` takes the run from one that is gone."""
+
+
+class FencedError(StorageError):
+    """A newer lease generation took the run over (``cluster.lease``): this job may no longer write."""

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.errors import ClusterError, StorageError
+from cluster.errors import FencedError, LeaseHeldError, StorageError
 from cluster.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -42,14 +42,6 @@ LIVE_BEATS = 2.5
 is gone."""
 GENERATION_ENV = "CLUSTER_LEASE_GENERATION"
 """Set on the workers: the generation their driver holds, which rank 0's checkpoint commits check."""
-
-
-class LeaseHeldError(ClusterError):
-    """Another job holds the run's lease and is alive: this one must not write."""
-
-
-class FencedError(StorageError):
-    """A newer generation took the run over: this writer may no longer write."""
 
 
 @dataclass(frozen=True)
