@@ -13,6 +13,7 @@
     python -m cluster watch ./runs/tiny-cpu                # follow a run's events until it ends
     python -m cluster docs-config --write docs/config.md   # regenerate the config reference
     python -m cluster docs-events --write docs/events.md   # regenerate the events reference
+    python -m cluster docs-mistakes --write docs/troubleshooting.md  # regenerate the table of mistakes
 
 Storage credentials come from the usual environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS) or from
 ``-o key=value`` fsspec storage options (``-o endpoint_url=http://127.0.0.1:9000``).
@@ -79,8 +80,12 @@ def _parser() -> argparse.ArgumentParser:
     _add_reading(add)
     _add_checkpoint_commands(add)
     _add_requests(add)
-    for which, page in (("config", "the configuration reference"), ("events", "the events reference")):
-        dc = sub.add_parser(f"docs-{which}", help=f"print {page} (docs/{which}.md, generated)")
+    for which, page, doc in (
+        ("config", "the configuration reference", "config.md"),
+        ("events", "the events reference", "events.md"),
+        ("mistakes", "the table of mistakes and what each prints", "troubleshooting.md"),
+    ):
+        dc = sub.add_parser(f"docs-{which}", help=f"print {page} (docs/{doc}, generated)")
         dc.add_argument("--write", metavar="FILE", help="replace the reference block in this file instead")
     return p
 
@@ -209,7 +214,7 @@ def _add_requests(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.command in ("docs-config", "docs-events"):
+        if args.command in ("docs-config", "docs-events", "docs-mistakes"):
             return _docs(args.command.removeprefix("docs-"), args.write)
         options = _options(args.option)
         problem = url_problem(args.url, "URL")
@@ -255,13 +260,13 @@ def _watch(args: argparse.Namespace, options: dict[str, Any]) -> int:
 def _docs(which: str, write: str | None) -> int:
     """Print a generated reference block, or replace it in the file ``write``."""
     if write is None:
-        sys.stdout.write(docs.config_reference() if which == "config" else docs.events_reference())
+        sys.stdout.write(docs.generate(which))
         return 0
     with open(write) as fh:
-        text = fh.read()
+        text = docs.replace(fh.read(), which)  # before the file is opened for writing: a failure leaves it
     with open(write, "w") as fh:
-        fh.write(docs.replace(text, which))
-    print(f"updated the {'configuration' if which == 'config' else 'events'} reference in {write}")
+        fh.write(text)
+    print(f"updated the {which} reference in {write}")
     return 0
 
 

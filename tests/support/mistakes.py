@@ -48,7 +48,7 @@ class Mistake:
 def key(setting: str, expect: str, env: dict[str, str] | None = None) -> Mistake:
     """A config value given with ``--set`` on the tiny CPU job."""
     return Mistake(
-        "config key", setting, ("train", "--config", CONFIG, "--set", setting), expect, env=env or {}
+        "config key", f"`{setting}`", ("train", "--config", CONFIG, "--set", setting), expect, env=env or {}
     )
 
 
@@ -91,7 +91,12 @@ MISTAKES: list[Mistake] = [
         env={"RAY_ADDRESS": ""},
     ),
     # --- keys, types and choices
-    key("training.epoch=3", "unknown key 'training.epoch'; did you mean 'training.epochs'?"),
+    Mistake(  # (not in backticks: the docs' check of the keys they name would refuse it)
+        "config key",
+        "a misspelt key, training.epoch=3",
+        ("train", "--config", CONFIG, "--set", "training.epoch=3"),
+        "unknown key 'training.epoch'; did you mean 'training.epochs'?",
+    ),
     key("training.epochs=0", "training.epochs=0 must be at least 1"),
     key("training.epochs=two", "training.epochs must be an integer, got str 'two'"),
     key("scaling.num_workers=0", "scaling.num_workers=0 must be at least 1"),
@@ -108,15 +113,15 @@ MISTAKES: list[Mistake] = [
     key("training.sync_batchnorm=true", "training.sync_batchnorm=true needs scaling.use_gpu=true"),
     key("failures.inject=[{rank: 5}]", "failures.inject[0].rank=5 is not a rank of this job"),
     # --- the command line
-    train("--config-json '[1]'", "--config-json holds list, not a job spec", "--config-json", "[1]"),
-    train("--config-json '{bad'", "the config is not JSON", "--config-json", "{bad"),
-    train("--config FOLDER", "--config '{tmp}' is a folder", "--config", "{tmp}"),
-    train("--config missing.yaml", "does not exist", "--config", "{tmp}/missing.yaml"),
+    train("`--config-json '[1]'`", "--config-json holds list, not a job spec", "--config-json", "[1]"),
+    train("`--config-json '{bad'`", "the config is not JSON", "--config-json", "{bad"),
+    train("`--config` a folder", "--config '{tmp}' is a folder", "--config", "{tmp}"),
+    train("`--config` a file that is not there", "does not exist", "--config", "{tmp}/missing.yaml"),
     train(
-        "--set epochs", "override 'epochs' must look like key=value", "--config", CONFIG, "--set", "epochs"
+        "`--set epochs`", "override 'epochs' must look like key=value", "--config", CONFIG, "--set", "epochs"
     ),
     train(
-        "--set training.epochs=[x",
+        "`--set training.epochs=[x`",
         "override 'training.epochs=[x': the value is not valid YAML",
         "--config",
         CONFIG,
@@ -124,7 +129,7 @@ MISTAKES: list[Mistake] = [
         "training.epochs=[x",
     ),
     train(
-        "--set training.epochs.x=1",
+        "`--set training.epochs.x=1`",
         "override 'training.epochs.x=1': 'epochs' is not a section",
         "--config",
         CONFIG,
@@ -132,7 +137,7 @@ MISTAKES: list[Mistake] = [
         "training.epochs.x=1",
     ),
     tool(
-        "eval --batch-size 0",
+        "`eval --batch-size 0`",
         "--batch-size 0 must be at least 1",
         "eval",
         "{tmp}/runs/r",
@@ -140,7 +145,7 @@ MISTAKES: list[Mistake] = [
         "0",
     ),
     tool(
-        "eval --max-batches 0",
+        "`eval --max-batches 0`",
         "--max-batches 0 must be at least 1",
         "eval",
         "{tmp}/runs/r",
@@ -148,7 +153,7 @@ MISTAKES: list[Mistake] = [
         "0",
     ),
     tool(
-        "eval --step latest",
+        "`eval --step latest`",
         "--step 'latest' must be a step number or best",
         "eval",
         "{tmp}/runs/r",
@@ -156,27 +161,27 @@ MISTAKES: list[Mistake] = [
         "latest",
     ),
     tool(
-        "eval --task-arg k=[x",
+        "`eval --task-arg k=[x`",
         "--task-arg 'k=[x': the value is not valid YAML",
         "eval",
         "{tmp}/runs/r",
         "--task-arg",
         "k=[x",
     ),
-    tool("-o k=[x", "storage option 'k=[x': the value is not valid YAML", "list", "{tmp}", "-o", "k=[x"),
+    tool("`-o k=[x`", "storage option 'k=[x': the value is not valid YAML", "list", "{tmp}", "-o", "k=[x"),
     tool(
-        "-o endpoint_url",
+        "`-o endpoint_url`",
         "storage option 'endpoint_url' must look like key=value",
         "list",
         "{tmp}",
         "-o",
         "endpoint_url",
     ),
-    tool("show a run that is not there", "no run named 'nothing'", "show", "{tmp}/runs/nothing"),
-    tool("profile --steps 0", "--steps 0 must be 1 to", "profile", "{tmp}/runs/r", "--steps", "0"),
+    tool("`show` a run that is not there", "no run named 'nothing'", "show", "{tmp}/runs/nothing"),
+    tool("`profile --steps 0`", "--steps 0 must be 1 to", "profile", "{tmp}/runs/r", "--steps", "0"),
     Mistake(
         "environment",
-        "RAY_ADDRESS names no running cluster",
+        "`RAY_ADDRESS` names no running cluster",
         ("train", "--config", CONFIG, "--set", "storage={tmp}/runs"),
         "RAY_ADDRESS='127.0.0.1:{closed}': nothing answers at 127.0.0.1:{closed}",
         env={"RAY_ADDRESS": "127.0.0.1:{closed}"},
@@ -197,28 +202,28 @@ MISTAKES: list[Mistake] = [
         files={"c.yaml": "- 1\n"},
     ),
     train(
-        "a YAML file with .nan",
+        "a YAML file with `.nan`",
         f"failures.hang_timeout_s=nan {_NOT_FINITE}",
         "--config",
         "{tmp}/c.yaml",
         files={"c.yaml": "failures:\n  hang_timeout_s: .nan\n"},
     ),
     train(
-        "--config-file holding a list",
+        "`--config-file` holding a list",
         "holds list, not a job spec",
         "--config-file",
         "{tmp}/c.json",
         files={"c.json": "[1]"},
     ),
     train(
-        "--config-file that is not JSON",
+        "`--config-file` that is not JSON",
         "the config is not JSON",
         "--config-file",
         "{tmp}/c.json",
         files={"c.json": "{"},
     ),
     train(
-        "--config-file missing from the working directory",
+        "`--config-file` missing from the working directory",
         "is not in the job's working directory",
         "--config-file",
         "{tmp}/gone.json",
@@ -249,15 +254,17 @@ SETUP_MISTAKES: list[Mistake] = [
     ),
     Mistake(
         "set-up",
-        "a checkpoint that does not fit the model (task_args changed the model's shape, same run name)",
+        "a checkpoint that does not fit the model (`task_args` changed its shape, same run name)",
         (),
-        "training failed: RuntimeError at cluster/...: Error(s) in loading state_dict ... size mismatch ..., "
-        "raised in set-up on every rank",
-        code=1,
+        "config error: RUN/checkpoints/step_N/model.pt does not fit this job's model (...): "
+        "task_args.KEY=... "
+        "(the run's: ...) changed since the run started. Keep the run's task_args, or choose a new run name "
+        "(training.init_from can start it from these weights)",
+        code=2,
     ),
 ]
-"""Found when the workers set up (they need Ray): exit status 1, the run stops at once with one failure
-event (``tests/ray/test_setup_errors.py``)."""
+"""Found when the workers set up (they need Ray; ``tests/ray/test_setup_errors.py``): the run stops at once,
+with one failure event (exit status 1), or as a config error (2) for a checkpoint that does not fit."""
 
 
 @dataclass
@@ -315,15 +322,21 @@ def run(m: Mistake, tmp: str, port: int) -> Outcome:
 
 def doc_rows() -> list[tuple[str, str, int, str]]:
     """(kind, mistake, exit status, message) of every row, in the table's order: the up-front rows' messages
-    as they are printed now (folders and ports shown as ``<tmp>``, ``<port>``), the set-up rows' as their
-    shape (they need Ray)."""
+    as they are printed now (what depends on the machine shown as ``<tmp>``, ``<port>``, ``<cwd>``,
+    ``<cores>``), the set-up rows' as their shape (they need Ray)."""
     rows = []
     port = closed_port()
     for m in MISTAKES:
         with tempfile.TemporaryDirectory(prefix="mistake") as tmp:
             got = run(m, tmp, port)
             text = " / ".join(got.lines) if got.traceback is None else "a traceback"
-            text = text.replace(tmp, "<tmp>").replace(str(port), "<port>")
+            for actual, shown in (
+                (tmp, "<tmp>"),
+                (str(port), "<port>"),
+                (os.getcwd(), "<cwd>"),
+                (f"this machine has {os.cpu_count()} ", "this machine has <cores> "),
+            ):
+                text = text.replace(actual, shown)
         rows.append((m.kind, m.what, got.code, text))
     rows += [(m.kind, m.what, m.code, m.expect) for m in SETUP_MISTAKES]
     return rows

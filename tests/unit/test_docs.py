@@ -215,3 +215,15 @@ def test_events_reference_has_one_row_per_kind_and_is_rewritten_when_stale(tmp_p
     assert copy.read_text() == _read(EVENTS_DOC)
     with pytest.raises(ValueError, match="events-reference:start"):
         docs.replace("# a page without the markers\n", "events")
+
+
+def test_the_table_of_mistakes_in_troubleshooting_is_what_the_tests_table_prints() -> None:
+    """docs/troubleshooting.md's table of mistakes is generated from tests/support/mistakes.py, each up-front
+    row run for the message it prints now (tests/unit/test_mistakes.py checks each)."""
+    with open(os.path.join(REPO, "docs", "troubleshooting.md")) as fh:
+        block = docs.extract(fh.read(), "mistakes")
+    assert block is not None, f"docs/troubleshooting.md lacks the {docs.MISTAKES_START} block"
+    assert block == docs.mistakes_reference(), (
+        "docs/troubleshooting.md is stale: "
+        "run `python -m cluster docs-mistakes --write docs/troubleshooting.md`"
+    )
