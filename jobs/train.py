@@ -33,12 +33,12 @@ import os
 import signal
 import sys
 
-from cluster import ClusterError, ConfigError, load_config, local_ray, train
+from cluster import ClusterError, ConfigError, JobConfig, load_config, local_ray, train
 from cluster.api import ensure_ray, preflight, result_to_json
 from cluster.lease import LeaseHeldError
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jobs.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -74,25 +74,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--device", choices=["cpu", "cuda"], help="--dry-run's device (default: the job's kind if here)"
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     # The package's warnings (a swallowed error and its reason) on stderr; progress lines stay on stdout.
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        if args.config_file is not None:
-            cfg = load_config(data=_read_config_file(args.config_file), overrides=args.overrides)
-        elif args.config_json is not None:
-            cfg = load_config(
-                data=_spec(json.loads(args.config_json), "--config-json"), overrides=args.overrides
-            )
-        else:
-            cfg = load_config(_readable(args.config), args.overrides)
+        cfg = _load(args)
+        preflight(cfg)  # an unknown task or storage the workers cannot see, found before Ray starts
     except json.JSONDecodeError as exc:
         return _refuse(f"config error: the config is not JSON: {exc}")
-    except ConfigError as exc:
-        return _refuse(f"config error: {exc}")
-
-    try:
-        preflight(cfg)  # an unknown task or storage the workers cannot see, found before Ray starts
     except ConfigError as exc:
         return _refuse(f"config error: {exc}")
     if args.dry_run:
@@ -160,6 +153,18 @@ def main(argv: list[str] | None = None) -> int:
         + f"latest_checkpoint={result.latest_checkpoint}"
     )
     return 0
+
+
+def _load(args: argparse.Namespace) -> JobConfig:
+    """The job spec the command line gives (``--config``, ``--config-file`` or ``--config-json``, then
+    ``--set``); ConfigError (or JSONDecodeError) for one that cannot be read."""
+    if args.config_file is not None:
+        return load_config(data=_read_config_file(args.config_file), overrides=args.overrides)
+    if args.config_json is not None:
+        return load_config(
+            data=_spec(json.loads(args.config_json), "--config-json"), overrides=args.overrides
+        )
+    return load_config(_readable(args.config), args.overrides)
 
 
 def _read_config_file(path: str) -> dict[str, object]:
