@@ -2,7 +2,8 @@
 
 Rendezvous is race-free: rank 0 binds a TCPStore on port 0 (the kernel picks a free port while the
 socket is already bound) and publishes the address; the other ranks connect to it. Nobody picks a port
-and hopes it is still free.
+and hopes it is still free. Nothing listens on every interface: the store and gloo listen on one address
+(:func:`store_address`; docs/cluster.md, "Security").
 """
 
 from __future__ import annotations
@@ -19,32 +20,33 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 
-def bind_store(world_size: int, timeout_s: float, ipv4: bool = True) -> tuple[dist.TCPStore, int]:
-    """Rank 0: listen on a kernel-chosen port; return the store and the port.
+def bind_store(
+    world_size: int, timeout_s: float, ipv4: bool = True, host: str | None = None
+) -> tuple[dist.TCPStore, int]:
+    """Rank 0: listen on ``host`` (an address of this machine; default ``CLUSTER_STORE_HOST`` from the
+    environment, else loopback: ``127.0.0.1``, or ``::1`` without ``ipv4``) on a kernel-chosen port; return
+    the store and the port. Never every interface: see :func:`store_address` for which address.
 
-    With ``ipv4`` (the node's address is an IPv4 one) the listening socket is ours, IPv4 only, handed to
-    the store (``master_listen_fd``; the store owns and closes it). torch's own listens dual-stack, so a
-    client's address reaches it as IPv4-mapped IPv6 (``::ffff:127.0.0.1``), and the store looks up that
-    address's host name on every connect (``getnameinfo``, for its log lines): /etc/hosts does not list
+    The listening socket is ours, bound to that one address, and handed to the store
+    (``master_listen_fd``; the store owns and closes it). torch's own listens dual-stack on every interface,
+    so a client's address reaches it as IPv4-mapped IPv6 (``::ffff:127.0.0.1``), and the store looks up
+    that address's host name on every connect (``getnameinfo``, for its log lines): /etc/hosts does not list
     that form, so each connect waits on DNS, in the store's one event-loop thread; where DNS drops or does
     not answer reverse queries (air-gapped clusters, sandboxes, a loaded resolver) a connect stalls for the
     resolver timeout (5 s) and every connect queued behind it with it. Measured with 31 clients connecting
     at once (torch 2.13): 3-13 of them took 5-10 s through torch's socket, none over 0.05 s through this
-    one, connecting to 127.0.0.1. Ranks on rank 0's node connect to 127.0.0.1 (see ``store_host``)."""
-    kwargs: dict[str, Any] = {}
-    if ipv4:
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("0.0.0.0", 0))
-        listener.listen(LISTEN_BACKLOG)
-        port = listener.getsockname()[1]
-        kwargs["master_listen_fd"] = listener.detach()
-        if torch.torch_version.TorchVersion(torch.__version__) < "2.8":
-            kwargs["use_libuv"] = False  # libuv took a given socket without listening on it before 2.8
-    else:
-        port = 0
+    one, connecting to 127.0.0.1."""
+    host = host or os.environ.get(STORE_HOST_ENV) or ("127.0.0.1" if ipv4 else "::1")
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, 0))
+    listener.listen(LISTEN_BACKLOG)
+    port = listener.getsockname()[1]
+    kwargs: dict[str, Any] = {"master_listen_fd": listener.detach()}
+    if torch.torch_version.TorchVersion(torch.__version__) < "2.8":
+        kwargs["use_libuv"] = False  # libuv took a given socket without listening on it before 2.8
     store = dist.TCPStore(
-        "0.0.0.0",
+        host,
         port,
         world_size,
         is_master=True,
@@ -55,14 +57,68 @@ def bind_store(world_size: int, timeout_s: float, ipv4: bool = True) -> tuple[di
     return store, int(store.port)
 
 
+STORE_HOST_ENV = "CLUSTER_STORE_HOST"
+"""Where :func:`bind_store` listens when not told (set in rank 0's process by its Ray actor)."""
 LISTEN_BACKLOG = 4096
 """Pending connections rank 0's store accepts (the kernel caps it at ``net.core.somaxconn``)."""
 
 
-def store_host(rank_node: str, store_node: str, store_ip: str) -> str:
-    """The address a rank connects to rank 0's store at: loopback from rank 0's own node (its name is in
-    /etc/hosts: no DNS, see :func:`bind_store`), else rank 0's node address."""
-    return "127.0.0.1" if rank_node == store_node and ":" not in store_ip else store_ip
+def store_address(node_ip: str, spans_nodes: bool, socket_ifname: str | None = None) -> str:
+    """The one address rank 0's store (and every rank's gloo) listens on, and every rank connects to: the
+    address of ``socket_ifname`` (``scaling.socket_ifname``) when set; else the loopback address when the
+    whole group is on rank 0's node (nothing off the machine can reach it; its name is in /etc/hosts: no
+    DNS, see :func:`bind_store`); else the node's address (Ray's)."""
+    if socket_ifname:
+        found = interface_address(socket_ifname)
+        if found is None:
+            raise RuntimeError(
+                f"scaling.socket_ifname={socket_ifname!r} has no IPv4 address on this node; name the "
+                "interface of the network the nodes share (`ip -4 addr`)"
+            )
+        return found
+    if not spans_nodes:
+        return "::1" if ":" in node_ip else "127.0.0.1"
+    return node_ip
+
+
+def interface_address(name: str) -> str | None:
+    """The IPv4 address of network interface ``name`` (Linux), or None."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface that holds ``address`` (Linux), or None."""
+    if ":" in address:
+        try:
+            with open("/proc/net/if_inet6") as fh:
+                rows = [line.split() for line in fh]
+        except OSError:
+            return None
+        want = socket.inet_pton(socket.AF_INET6, address).hex()
+        return next((row[5] for row in rows if len(row) >= 6 and row[0] == want), None)
+    for _, name in socket.if_nameindex():
+        if interface_address(name) == address:
+            return name
+    return None
+
+
+def listen_on(address: str) -> None:
+    """Make this process's next gloo group listen on ``address`` only (``GLOO_SOCKET_IFNAME``: gloo binds to
+    the address of the interface it names; by default it binds to whatever the host name resolves to).
+    Leaves it as it is when the interface is not found (logged)."""
+    name = interface_of(address)
+    if name is None:
+        logger.warning("no network interface holds %s; gloo listens where the host name resolves", address)
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = name
 
 
 def connect_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:

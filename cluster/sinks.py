@@ -232,6 +232,8 @@ class MlflowSink:
         # sink retries itself, so each call tries twice at most and gives up after 10 s.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        if redact_url(self.uri) != self.uri:  # MLflow prints the run's URL, token and all, at its end
+            os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
         from mlflow.entities import Param, RunTag
         from mlflow.tracking import MlflowClient
 

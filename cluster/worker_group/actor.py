@@ -9,6 +9,7 @@ The actor runs with ``max_concurrency=2`` so the driver's heartbeat call (``hear
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import logging
 import os
 import threading
@@ -19,6 +20,7 @@ import ray
 
 from cluster.checkpoint import CommitRecord
 from cluster.config import JobConfig, Window
+from cluster.dist import STORE_HOST_ENV, listen_on, store_address
 from cluster.errors import ConfigError
 from cluster.group import EpochResult, Heartbeat, SetupInfo
 from cluster.peer import PeerPlan, PeerState
@@ -54,9 +56,13 @@ class _WorkerActor:
     def use_gpus(self, visible: str, index: int) -> str:
         return self.worker.use_gpus(visible, index)
 
-    def bind_store(self) -> tuple[str, int]:
-        ip = ray.util.get_node_ip_address()
-        return ip, self.worker.bind_store(ipv4=":" not in ip)
+    def bind_store(self, spans_nodes: bool = True) -> tuple[str, int]:
+        """Bind rank 0's store on the one address of ``cluster.dist.store_address``; return it and the
+        port (what every rank connects to)."""
+        s = self.worker.cfg.scaling
+        host = store_address(ray.util.get_node_ip_address(), spans_nodes, s.socket_ifname)
+        os.environ[STORE_HOST_ENV] = host  # read by cluster.dist.bind_store in this process
+        return host, self.worker.bind_store(ipv4=":" not in host)
 
     def connect(self, host: str, port: int) -> None:
         self.worker.connect(host, port)
@@ -69,7 +75,17 @@ class _WorkerActor:
         skips: list[Window] | None = None,
         rollback: Window | None = None,
     ) -> SetupInfo:
+        self._listen_near(host)
         return self.worker.setup(host, port, peers, skips, rollback).info
+
+    def _listen_near(self, store_host: str) -> None:
+        """This rank's gloo listens on loopback when the store does (the group is on one node), else on
+        this node's address of ``cluster.dist.store_address``: never on every interface."""
+        if ipaddress.ip_address(store_host).is_loopback:
+            listen_on(store_host)
+        else:
+            node_ip = ray.util.get_node_ip_address()
+            listen_on(store_address(node_ip, True, self.worker.cfg.scaling.socket_ifname))
 
     def run_epoch(
         self, epoch: int, start_step: int, dispatch: int = 0, evaluate_first: bool = False

@@ -18,7 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.checkpoint import CommitRecord
 from cluster.config import JobConfig, Window
-from cluster.dist import share_gpus, store_host
+from cluster.dist import share_gpus
 from cluster.errors import Failure, ResourcesUnavailableError
 from cluster.group import EpochResult, Heartbeat, Salvage, SetupInfo
 from cluster.peer import PeerPlan
@@ -128,12 +128,13 @@ class RayWorkerGroup:
             self._start_spare(cls)
         if self.cfg.scaling.use_gpu:
             self._share_gpus(timeout)
-        ip, port = get_all([self.actors[0].bind_store.remote()], timeout)[0]
-        hosts = [store_host(node, self.nodes[0][0], ip) for node, _ in self.nodes]
+        # one address, never every interface: loopback when the group is on one node (cluster.dist)
+        spans_nodes = len({node for node, _ in self.nodes}) > 1
+        host, port = get_all([self.actors[0].bind_store.remote(spans_nodes)], timeout)[0]
         for wave in connect_waves(world_size):
-            get_all([self.actors[r].connect.remote(hosts[r], port) for r in wave], timeout)
+            get_all([self.actors[r].connect.remote(host, port) for r in wave], timeout)
         infos: list[SetupInfo] = get_all(
-            [a.setup.remote(h, port, peers, skips, rollback) for a, h in zip(self.actors, hosts)], timeout
+            [a.setup.remote(host, port, peers, skips, rollback) for a in self.actors], timeout
         )
         for info, (node_id, _) in zip(infos, self.nodes):
             info.node_id = node_id
