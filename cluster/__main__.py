@@ -346,9 +346,11 @@ def _rewind(args: argparse.Namespace, options: dict[str, Any]) -> int:
             "pass --yes to delete them",
             2,
         )
+    deleted = [s for s in plan.newer if s not in plan.set_aside]
+    aside = f", set aside {plan.set_aside} in checkpoints/discarded/" if plan.set_aside else ""
     print(
-        f"rewound {plan.run_url} to step {plan.step}: deleted the checkpoints {plan.newer}. Resubmit the job "
-        "to resume there (training.skip_steps skips batches; see docs/failures.md)"
+        f"rewound {plan.run_url} to step {plan.step}: deleted the checkpoints {deleted}{aside}. Resubmit the "
+        "job to resume there (training.skip_steps skips batches; see docs/failures.md)"
     )
     return 0
 

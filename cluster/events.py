@@ -98,7 +98,8 @@ def _rollback(r: Fields) -> str:
     back = r.get("checkpoint_step")
     where = f"checkpoint step {back}" if back is not None else "the run's start"
     gone = f", deleted checkpoints {r['discarded']}" if r.get("discarded") else ""
-    return f"rollback after a loss that was not finite: to {where}, steps {first}-{last} skipped{gone}"
+    aside = f", set aside {r['set_aside']}" if r.get("set_aside") else ""
+    return f"rollback after a loss that was not finite: to {where}, steps {first}-{last} skipped{gone}{aside}"
 
 
 def _stacks(r: Fields) -> str:
@@ -626,7 +627,9 @@ KINDS: dict[str, Kind] = _kinds(
             "window": "the steps asked to be skipped",
             "skipped": "the first and last step whose batches are skipped",
             "checkpoint_step": "the checkpoint resumed from (null: the run's start)",
-            "discarded": "newer checkpoints deleted (they trained the skipped batches)",
+            "discarded": "newer checkpoints deleted (they trained the skipped batches; the best and the "
+            "milestones among them are in `set_aside`)",
+            "set_aside": "the newer ones moved to `checkpoints/discarded/` (the best, the milestones)",
             "resume_step": "the step training resumes after",
         },
         _rollback,
@@ -638,9 +641,15 @@ KINDS: dict[str, Kind] = _kinds(
     Kind(
         "rewound",
         "`python -m cluster rewind --yes` took the run back to an older checkpoint",
-        {"to_step": "the checkpoint it went back to", "deleted": "the newer ones deleted", "by": "user@host"},
+        {
+            "to_step": "the checkpoint it went back to",
+            "deleted": "the newer ones deleted",
+            "set_aside": "the newer ones moved to `checkpoints/discarded/` (the best, the milestones)",
+            "by": "user@host",
+        },
         lambda r: (
             f"rewound to step {r.get('to_step')} by {r.get('by')}: deleted checkpoints {r.get('deleted')}"
+            + (f", set aside {r['set_aside']}" if r.get("set_aside") else "")
         ),
         watch=True,
         show=True,

@@ -511,6 +511,7 @@ class RunRecord:
             skipped=[trained, last],
             checkpoint_step=back["checkpoint_step"],
             discarded=back["discarded"],
+            set_aside=back.get("set_aside", []),
             resume_step=resume_step,
         )
 
