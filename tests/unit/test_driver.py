@@ -74,7 +74,8 @@ def test_budget_exhausted_and_unlimited() -> None:
 
 
 def test_hang_detected_by_heartbeat() -> None:
-    driver, _ = make({0: ["hang"]}, ["failures.hang_timeout_s=0.2"])
+    driver, _ = make({0: ["hang"]})
+    driver.cfg.failures.hang_timeout_s = 0.2  # below what a real heartbeat measures (refused in a config)
     result = driver.run()
     assert result.failures[0]["kind"] == "hang"
     assert "no progress" in result.failures[0]["message"]
@@ -248,7 +249,8 @@ def test_an_evaluation_s_batches_are_progress_for_the_hang_watch() -> None:
     rank stuck inside one is still found."""
     from cluster.policy import HangWatch
 
-    watch = HangWatch(load_config(overrides=["failures.hang_timeout_s=0.2"]).failures, 0)
+    # 0.2 s: below what a real heartbeat measures (refused in a config), set here for the watch alone
+    watch = HangWatch(dataclasses.replace(load_config().failures, hang_timeout_s=0.2), 0)
     for batches in range(1, 5):  # 0.4 s at step 7, one eval batch every 0.1 s
         assert watch.update([Heartbeat(0, 7, 0.0, 0.01, True, eval_batches=batches)]) is None
         time.sleep(0.1)
