@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import os
 import signal
 import sys
@@ -22,10 +23,12 @@ from typing import TYPE_CHECKING, Any, TextIO
 from cluster import local_ray
 from cluster.checkpoint import CheckpointStore
 from cluster.config import JobConfig, resolve_notify_url
-from cluster.errors import ConfigError
+from cluster.errors import ConfigError, StorageError
 from cluster.group import WorkerGroup
 from cluster.storage import Storage, join, normalize_url
 from cluster.task import Task, task_path
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from cluster.driver import Driver
@@ -60,6 +63,38 @@ class Result:
     skipped_steps: list[tuple[int, int]] = field(default_factory=list)
     """The run's skip windows (first and last step, inclusive): ``training.skip_steps`` and each NaN
     rollback's (``failures.nan_skip_steps``). Their batches were not trained."""
+
+
+def result_of(driver: Driver) -> Result:
+    """What a driver's run returns, from where it ended."""
+    from cluster.checkpoint import CheckpointStore
+    from cluster.states import Failed, Stopped
+
+    try:
+        infos = CheckpointStore(driver.storage).list()
+    except StorageError as exc:  # the result is still returned (or its error raised)
+        logger.warning("could not list the run's checkpoints for its result: %s", exc)
+        infos = []
+    state, stop = driver.state, driver.control.stop
+    error = state.error if isinstance(state, Failed) else None
+    return Result(
+        name=driver.cfg.name,
+        run_url=driver.run_url,
+        status=state.name,
+        epochs_completed=driver.epoch,
+        global_step=driver.global_step,
+        metrics=driver.record.last_metrics,
+        latest_checkpoint=infos[-1].url if infos else None,
+        attempts=driver.attempt + 1,
+        failures=[{"kind": f.kind, "rank": f.rank, "message": f.message[:2000]} for f in driver.failures],
+        world_size=driver.world_size,
+        error=str(error) if error is not None else None,
+        slow_ranks=list(driver.record.slow_reports),
+        evaluation=driver.record.last_eval,
+        stopped_early=driver.stopped_early,
+        skipped_steps=list(driver.skips),
+        stop_reason=stop.reason if isinstance(state, Stopped) and stop is not None else None,
+    )
 
 
 def result_to_json(result: Result) -> str:

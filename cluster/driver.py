@@ -32,7 +32,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from cluster.api import Result, ray_group_factory, take_lease
+from cluster.api import Result, ray_group_factory, result_of, take_lease
 from cluster.checkpoint import CheckpointStore, CheckpointUnreadableError
 from cluster.config import JobConfig, Window, merge_windows, skip_windows
 from cluster.control import (
@@ -126,8 +126,6 @@ class Driver:
         self._streak = 0  # failures since the last completed epoch
         self._spare_announced = False  # the current group's hot spare was reported ready
         self._seen_step = 0  # the furthest step a heartbeat reported
-        self._live_step, self._live_evals = -1, 0  # the live bar's: step, and eval batches done then
-        self._eval_total = 0  # batches of one evaluation (the live bar's total)
 
     @property
     def events(self) -> Any:
@@ -188,7 +186,7 @@ class Driver:
                 self.group = None
             self.record.close_tracking(self.state.name, isinstance(self.state, Finished))
             beat.stop()
-        result = self._result()
+        result = result_of(self)
         if isinstance(self.state, Failed):
             raise self.state.error
         return result
@@ -353,7 +351,7 @@ class Driver:
         self.record.started()
         self._spare_announced = False
         self.moves.new_group(infos)
-        self._eval_total = head.eval_batches
+        self.record.eval_total = head.eval_batches
         if s.recovery is not None:
             s.recovery.group_started(t_reserved, t_ready, infos, r.global_step)
         if s.move is not None:
@@ -405,10 +403,7 @@ class Driver:
         may_move = self.mode is None and not self.stopping
         self._apply(self.moves.pace(beats, watch.max_step, self.attempt, may_move, self.world_size))
         self._announce_spare()
-        assert self.record.display is not None
-        self.record.display.live(
-            watch.max_step, self.cfg.training.global_batch_size, self._evaluating(beats), self._eval_total
-        )
+        self.record.live(beats, watch.max_step)
         return hung
 
     def _epoch_done(self, s: Running, head: EpochResult, wall_s: float) -> State:
@@ -752,16 +747,6 @@ class Driver:
             self._spare_announced = True
             self.record.spare_ready(self.attempt, prepare_s)
 
-    def _evaluating(self, beats: list[Any]) -> int | None:
-        """Eval batches the ranks have done since the step last moved (the live bar shows an evaluation's
-        progress while the step stands still); None while training steps."""
-        step = max((b.global_step for b in beats if b is not None), default=0)
-        done = sum(b.eval_batches for b in beats if b is not None)
-        if step != self._live_step:
-            self._live_step, self._live_evals = step, done
-            return None
-        return done - self._live_evals if done > self._live_evals else None
-
     def _heartbeat_every(self, watch: HangWatch) -> float:
         """Seconds between heartbeats: ``poll_s`` for a terminal's live bar, else a twentieth of the hang
         timeout within [poll_s, 5 * poll_s]. A death is seen at once either way (the epoch's result fails)."""
@@ -769,30 +754,3 @@ class Driver:
         if self.record.display.tty:
             return self.poll_s
         return min(max(self.poll_s, watch.timeout() / 20), 5 * self.poll_s)
-
-    def _result(self) -> Result:
-        try:
-            infos = CheckpointStore(self.storage).list()
-        except StorageError as exc:  # the result is still returned (or its error raised)
-            logger.warning("could not list the run's checkpoints for its result: %s", exc)
-            infos = []
-        error = self.state.error if isinstance(self.state, Failed) else None
-        stop = self.control.stop
-        return Result(
-            name=self.cfg.name,
-            run_url=self.run_url,
-            status=self.state.name,
-            epochs_completed=self.epoch,
-            global_step=self.global_step,
-            metrics=self.record.last_metrics,
-            latest_checkpoint=infos[-1].url if infos else None,
-            attempts=self.attempt + 1,
-            failures=[{"kind": f.kind, "rank": f.rank, "message": f.message[:2000]} for f in self.failures],
-            world_size=self.world_size,
-            error=str(error) if error is not None else None,
-            slow_ranks=list(self.record.slow_reports),
-            evaluation=self.record.last_eval,
-            stopped_early=self.stopped_early,
-            skipped_steps=list(self.skips),
-            stop_reason=stop.reason if isinstance(self.state, Stopped) and stop is not None else None,
-        )

@@ -58,6 +58,8 @@ class RunRecord:
         self._flushed_at = time.monotonic()  # rows last written (``metrics.flush_s``)
         self._created = time.time()
         self._started = False
+        self.eval_total = 0  # batches of one evaluation (the live bar's total)
+        self._live_step, self._live_evals = -1, 0  # the live bar's: step, and eval batches done then
         self.failed_in_a_row = 0
         self.last_commit_error = ""
         self.committed: dict[int, bool] = {}  # step -> whether a commit there succeeded (this submission)
@@ -282,6 +284,18 @@ class RunRecord:
             seconds=round(row["step_time_s"], 3),
             world_size=row.get("world_size"),
         )
+
+    def live(self, beats: list[Any], step: int) -> None:
+        """The live bar at a heartbeat: the step reached, or while the step stands still, an evaluation's
+        batches done (of ``eval_total``) since it last moved."""
+        assert self.display is not None
+        done = sum(b.eval_batches for b in beats if b is not None)
+        evaluating = None
+        if step != self._live_step:
+            self._live_step, self._live_evals = step, done
+        elif done > self._live_evals:
+            evaluating = done - self._live_evals
+        self.display.live(step, self.cfg.training.global_batch_size, evaluating, self.eval_total)
 
     def eval_missing(self, step: int, steps_per_epoch: int) -> bool:
         """An evaluation is due right at ``step`` (where training resumes) and was never recorded: the
