@@ -468,8 +468,15 @@ def _running_run(args: argparse.Namespace, options: dict[str, Any]) -> tuple[Any
     """The run a request command names, and why no job can answer a request to it (it ended, or its
     driver is gone); None when one can."""
     from cluster.control import driver_seen
+    from cluster.lease import current as current_lease
 
     storage = inspect.open_run(args.url, args.name, options)
+    holder = current_lease(storage)  # who writes the run (cluster.lease): runs of earlier versions have none
+    if holder is not None:
+        if holder.released:
+            return storage, f"{storage.root} has no job training it (the last, {holder.describe()}, ended)"
+        print(f"asking {holder.describe()}")
+        return storage, None
     status = inspect.live_status(storage, inspect.read_events(storage))
     if status == inspect.INTERRUPTED:
         seen = driver_seen(storage) or {}
