@@ -23,8 +23,8 @@ logger = logging.getLogger(__name__)
 def bind_store(
     world_size: int, timeout_s: float, ipv4: bool = True, host: str | None = None
 ) -> tuple[dist.TCPStore, int]:
-    """Rank 0: listen on ``host`` (an address of this machine; default ``CLUSTER_STORE_HOST`` from the
-    environment, else loopback: ``127.0.0.1``, or ``::1`` without ``ipv4``) on a kernel-chosen port; return
+    """Rank 0: listen on ``host`` (an address of this machine; default loopback: ``127.0.0.1``, or ``::1``
+    without ``ipv4``) on a kernel-chosen port; return
     the store and the port. Never every interface: see :func:`store_address` for which address.
 
     The listening socket is ours, bound to that one address, and handed to the store
@@ -36,7 +36,7 @@ def bind_store(
     resolver timeout (5 s) and every connect queued behind it with it. Measured with 31 clients connecting
     at once (torch 2.13): 3-13 of them took 5-10 s through torch's socket, none over 0.05 s through this
     one, connecting to 127.0.0.1."""
-    host = host or os.environ.get(STORE_HOST_ENV) or ("127.0.0.1" if ipv4 else "::1")
+    host = host or ("127.0.0.1" if ipv4 else "::1")
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind((host, 0))
@@ -57,8 +57,6 @@ def bind_store(
     return store, int(store.port)
 
 
-STORE_HOST_ENV = "CLUSTER_STORE_HOST"
-"""Where :func:`bind_store` listens when not told (set in rank 0's process by its Ray actor)."""
 LISTEN_BACKLOG = 4096
 """Pending connections rank 0's store accepts (the kernel caps it at ``net.core.somaxconn``)."""
 

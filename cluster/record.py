@@ -28,6 +28,7 @@ from cluster.metrics import EventLog, ProgressDisplay, write_metrics
 from cluster.peer import PeerPlan
 from cluster.policy import Decision, SlowRank
 from cluster.preemption import Move
+from cluster.redact import redact_text, redact_tree
 from cluster.states import RecoveryTiming
 from cluster.storage import Storage
 from cluster.tracking import MlflowSink, Sink, TensorBoardSink, Tracker, WebhookSink
@@ -163,6 +164,7 @@ class RunRecord:
     # ------------------------------------------------------------------ console
     def print(self, text: str) -> None:
         """One console line (above the live bar when one is drawn)."""
+        text = redact_text(text)
         if self.display is not None:
             self.display.line(text)
         else:
@@ -171,7 +173,7 @@ class RunRecord:
 
     def event(self, kind: str, /, **fields: Any) -> None:
         """Write an event and, for the kinds the console shows (``cluster.events``), its console line."""
-        record = self.events.append(kind, **fields)
+        record = self.events.append(kind, **redact_tree(fields))  # (a task's error may quote a secret)
         text = console_line(kind, record)
         if text is not None:
             self.print(f"[{self.name}] {text}")

@@ -174,10 +174,12 @@ class Worker:
         self.gpu_index = index
         return visible
 
-    def bind_store(self, ipv4: bool = True) -> int:
-        """Rank 0 only: bind the rendezvous store (``ipv4``: the node's address is IPv4, see
-        ``cluster.dist.bind_store``); return its port (the caller publishes host:port)."""
-        self._store, port = cdist.bind_store(self.world_size, self.cfg.failures.process_group_timeout_s, ipv4)
+    def bind_store(self, ipv4: bool = True, host: str | None = None) -> int:
+        """Rank 0 only: bind the rendezvous store on ``host`` (one address of this machine; default
+        loopback, ``ipv4`` or not: see ``cluster.dist.bind_store``); return its port (the caller publishes
+        host:port)."""
+        timeout = self.cfg.failures.process_group_timeout_s
+        self._store, port = cdist.bind_store(self.world_size, timeout, ipv4, host)
         return port
 
     def connect(self, host: str, port: int) -> None:

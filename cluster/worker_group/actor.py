@@ -20,7 +20,7 @@ import ray
 
 from cluster.checkpoint import CommitRecord
 from cluster.config import JobConfig, Window
-from cluster.dist import STORE_HOST_ENV, listen_on, store_address
+from cluster.dist import listen_on, store_address
 from cluster.errors import ConfigError
 from cluster.group import EpochResult, Heartbeat, SetupInfo
 from cluster.peer import PeerPlan, PeerState
@@ -61,8 +61,7 @@ class _WorkerActor:
         port (what every rank connects to)."""
         s = self.worker.cfg.scaling
         host = store_address(ray.util.get_node_ip_address(), spans_nodes, s.socket_ifname)
-        os.environ[STORE_HOST_ENV] = host  # read by cluster.dist.bind_store in this process
-        return host, self.worker.bind_store(ipv4=":" not in host)
+        return host, self.worker.bind_store(ipv4=":" not in host, host=host)
 
     def connect(self, host: str, port: int) -> None:
         self.worker.connect(host, port)

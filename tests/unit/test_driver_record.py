@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import io
+import json
 import time
 from typing import Any
 
@@ -200,3 +201,19 @@ def test_the_live_bar_shows_an_evaluations_progress_while_the_step_stands_still(
     driver.out = _Terminal()
     assert driver.run().status == "finished"
     assert "step 1/12 evaluating: 4/10 batches" in driver.out.getvalue()
+
+
+def test_a_secret_quoted_by_a_failure_is_hidden_in_the_events_and_the_console() -> None:
+    """A task's exception that quotes a credential of the job (here a ``scaling.env`` value) reaches the
+    event log and the console with that value hidden, as every sink has it (cluster.redact)."""
+    secret = "hf_S3cr3tT0k3nValue"
+    driver, _ = make(
+        {0: ["ok", Failure("worker_died", 1, f"worker_died:rank 1: login refused for token {secret}")]},
+        [f"scaling.env={{HF_TOKEN: {secret}}}"],
+        resume={1: 6},
+    )
+    assert driver.run().status == "finished"
+    assert secret not in json.dumps(driver.events.records())
+    assert secret not in driver.out.getvalue()  # type: ignore[attr-defined]
+    (failure,) = [e for e in driver.events.records() if e["event"] == "failure"]
+    assert "login refused for token" in failure["message"]
