@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -188,11 +189,18 @@ _BUILTIN = {"CPU", "GPU", "memory", "object_store_memory", "accelerator_type"}
 
 def check_embedded_fits(cfg: JobConfig) -> None:
     """When the job will start an embedded Ray (no ``RAY_ADDRESS``, none running in this process): the
-    workers' CPUs must fit this machine, else N torch processes would share fewer cores and crawl."""
+    workers' CPUs must fit this machine, else N torch processes would share fewer cores and crawl; a
+    ``scaling.socket_ifname`` must be an interface of this machine."""
     ray = sys.modules.get("ray")
     if os.environ.get("RAY_ADDRESS") or (ray is not None and ray.is_initialized()):
         return
     s, cores = cfg.scaling, os.cpu_count() or 1
+    names = [n for _, n in socket.if_nameindex()]
+    if s.socket_ifname is not None and s.socket_ifname not in names:
+        raise ConfigError(
+            f"scaling.socket_ifname={s.socket_ifname!r} is not a network interface of this machine (it has "
+            f"{', '.join(names)}), where the embedded Ray runs every rank; name one of them, or remove it"
+        )
     need = s.num_workers * s.cpus_per_worker
     if need > cores + 1e-9:
         fit = int(cores // s.cpus_per_worker) if s.cpus_per_worker > 0 else s.num_workers

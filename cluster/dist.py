@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cluster.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 
@@ -68,10 +70,12 @@ def store_address(node_ip: str, spans_nodes: bool, socket_ifname: str | None = N
     DNS, see :func:`bind_store`); else the node's address (Ray's)."""
     if socket_ifname:
         found = interface_address(socket_ifname)
-        if found is None:
-            raise RuntimeError(
-                f"scaling.socket_ifname={socket_ifname!r} has no IPv4 address on this node; name the "
-                "interface of the network the nodes share (`ip -4 addr`)"
+        if found is None:  # a ConfigError: the same on every attempt, so never retried
+            names = ", ".join(n for _, n in socket.if_nameindex())
+            raise ConfigError(
+                f"scaling.socket_ifname={socket_ifname!r} has no IPv4 address on node {socket.gethostname()} "
+                f"(its interfaces: {names}); name the interface of the network the nodes share "
+                "(`ip -4 addr`), or remove scaling.socket_ifname"
             )
         return found
     if not spans_nodes:

@@ -90,6 +90,11 @@ MISTAKES: list[Mistake] = [
         "scaling.num_workers=2 x scaling.cpus_per_worker=4096 = 8192 CPUs",
         env={"RAY_ADDRESS": ""},
     ),
+    key(  # on the embedded Ray: an interface this machine does not have (on a cluster: rank 0's node says)
+        "scaling.socket_ifname=nosuch0",
+        "scaling.socket_ifname='nosuch0' is not a network interface of this machine",
+        env={"RAY_ADDRESS": ""},
+    ),
     # --- keys, types and choices
     Mistake(  # (not in backticks: the docs' check of the keys they name would refuse it)
         "config key",

@@ -30,3 +30,17 @@ def test_more_workers_than_cores_on_the_embedded_ray_is_refused_naming_what_fits
     check_embedded_fits(shared)  # sharing cores on purpose fits
     monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
     check_embedded_fits(cfg)  # a cluster's CPUs are the cluster's business
+
+
+def test_a_network_interface_the_machine_lacks_is_refused_before_anything_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from cluster.dist import store_address
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cfg = load_config(None, ["scaling.socket_ifname=nosuch0"])
+    with pytest.raises(ConfigError, match=r"scaling.socket_ifname='nosuch0' is not a network interface"):
+        check_embedded_fits(cfg)
+    # on a cluster's node (checked by rank 0 as the group starts): a ConfigError too, never retried
+    with pytest.raises(ConfigError, match=r"'nosuch0' has no IPv4 address on node"):
+        store_address("10.0.0.5", True, "nosuch0")

@@ -15,6 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from cluster.dist import bind_store, interface_address, interface_of, listen_on, store_address
+from cluster.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -75,7 +76,7 @@ def test_the_address_is_loopback_on_one_node_else_the_interface_or_the_node() ->
     assert store_address("10.0.0.5", spans_nodes=True) == "10.0.0.5"
     assert store_address("10.0.0.5", spans_nodes=True, socket_ifname="lo") == "127.0.0.1"
     assert store_address("10.0.0.5", spans_nodes=False, socket_ifname="lo") == "127.0.0.1"
-    with pytest.raises(RuntimeError, match=r"scaling\.socket_ifname='no-such-if0' has no IPv4 address"):
+    with pytest.raises(ConfigError, match=r"scaling\.socket_ifname='no-such-if0' has no IPv4 address"):
         store_address("10.0.0.5", spans_nodes=True, socket_ifname="no-such-if0")
 
 
