@@ -613,31 +613,8 @@ def _validate_training(t: TrainingConfig, s: ScalingConfig, min_workers: int) ->
         )
     if t.time_limit_s is not None and not t.time_limit_s > 0:
         raise ConfigError(f"training.time_limit_s={t.time_limit_s} must be positive seconds, or null")
-    if t.init_from is not None:
-        problem = url_problem(t.init_from, "training.init_from")
-        if problem is not None:
-            raise ConfigError(problem)
-    elif t.init_from_step is not None:
-        raise ConfigError(
-            f"training.init_from_step={t.init_from_step!r} needs training.init_from: the run (or checkpoint "
-            "folder) whose weights to start from"
-        )
-    if isinstance(t.init_from_step, int) and t.init_from_step < 0:
-        raise ConfigError(
-            f"training.init_from_step={t.init_from_step} must be a step (0 or more), best or null"
-        )
-    if t.global_batch_size < 1:
-        raise ConfigError(f"training.global_batch_size={t.global_batch_size} must be at least 1")
-    per_step = s.num_workers * t.grad_accum_steps
-    if t.global_batch_size % per_step:
-        raise ConfigError(
-            f"training.global_batch_size={t.global_batch_size} is not divisible by scaling.num_workers x "
-            f"training.grad_accum_steps = {s.num_workers} x {t.grad_accum_steps} = {per_step}; "
-            f"set training.global_batch_size to a multiple of {per_step}"
-        )
-    min_per_step = min_workers * t.grad_accum_steps
-    if t.global_batch_size < per_step or t.global_batch_size < min_per_step:
-        raise ConfigError(f"training.global_batch_size={t.global_batch_size} leaves a worker without samples")
+    _validate_init_from(t)
+    _validate_batch(t, s, min_workers)
     if t.grad_clip is not None and t.grad_clip <= 0:
         raise ConfigError(f"training.grad_clip={t.grad_clip} must be positive, or null to disable clipping")
     if t.max_steps_per_epoch is not None and t.max_steps_per_epoch < 1:
@@ -656,6 +633,39 @@ def _validate_training(t: TrainingConfig, s: ScalingConfig, min_workers: int) ->
             "training.sync_batchnorm=true needs scaling.use_gpu=true: torch's SyncBatchNorm runs only on "
             "GPUs. Set training.sync_batchnorm=false for a CPU job"
         )
+
+
+def _validate_init_from(t: TrainingConfig) -> None:
+    if t.init_from is not None:
+        problem = url_problem(t.init_from, "training.init_from")
+        if problem is not None:
+            raise ConfigError(problem)
+    elif t.init_from_step is not None:
+        raise ConfigError(
+            f"training.init_from_step={t.init_from_step!r} needs training.init_from: the run (or checkpoint "
+            "folder) whose weights to start from"
+        )
+    if isinstance(t.init_from_step, int) and t.init_from_step < 0:
+        raise ConfigError(
+            f"training.init_from_step={t.init_from_step} must be a step (0 or more), best or null"
+        )
+
+
+def _validate_batch(t: TrainingConfig, s: ScalingConfig, min_workers: int) -> None:
+    """The global batch splits evenly over the ranks and their accumulation steps, at full size and at
+    ``min_workers``."""
+    if t.global_batch_size < 1:
+        raise ConfigError(f"training.global_batch_size={t.global_batch_size} must be at least 1")
+    per_step = s.num_workers * t.grad_accum_steps
+    if t.global_batch_size % per_step:
+        raise ConfigError(
+            f"training.global_batch_size={t.global_batch_size} is not divisible by scaling.num_workers x "
+            f"training.grad_accum_steps = {s.num_workers} x {t.grad_accum_steps} = {per_step}; "
+            f"set training.global_batch_size to a multiple of {per_step}"
+        )
+    min_per_step = min_workers * t.grad_accum_steps
+    if t.global_batch_size < per_step or t.global_batch_size < min_per_step:
+        raise ConfigError(f"training.global_batch_size={t.global_batch_size} leaves a worker without samples")
 
 
 def _validate_checkpoint(c: CheckpointConfig) -> None:
