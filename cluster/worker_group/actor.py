@@ -162,6 +162,7 @@ _TRAINING_MODULES = (
     "storage.py",
     "task.py",
     "train_state.py",
+    "validate.py",
     "worker.py",
     "worker_eval.py",
     "worker_group/",
