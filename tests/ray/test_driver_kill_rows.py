@@ -1,0 +1,79 @@
+"""A driver SIGKILLed mid-epoch (``ray job stop`` past its wait, an OOM, a lost head): the step rows up to its
+last flush (``metrics.flush_s``) are on storage, and the resubmission writes the rows of every step it trains,
+each once on the path the run took."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+
+from cluster.inspect import read_events, run_metrics
+from cluster.metrics import read_metrics
+from cluster.storage import Storage
+from tests.support.faults import EPOCHS, STEPS, overrides
+
+pytestmark = [pytest.mark.timeout(400)]
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def job(storage: str, log: str, *extra: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "jobs.train", "--config", "jobs/configs/tiny_cpu.yaml"]
+    for s in overrides(storage, "killed", "metrics.flush_s=0", *extra):
+        cmd += ["--set", s]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "CLUSTER_LEASE_BEAT_S": "1", "PYTHONPATH": REPO}
+    out = open(log, "w")
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+
+
+def test_a_killed_driver_s_rows_are_on_storage_and_the_resubmission_completes_them(tmp_path: Any) -> None:
+    storage = f"{tmp_path}/runs"
+    run = Storage(f"{storage}/killed")
+    first = job(storage, f"{tmp_path}/first.log", "task_args.step_sleep_s=0.5")
+    try:
+        deadline = time.monotonic() + 240
+        steps: list[int] = []
+        while time.monotonic() < deadline:  # rows of the first epoch, before its end (no epoch_end yet)
+            rows = read_metrics(run).to_pylist() if run.exists("metrics") else []
+            steps = sorted(r["global_step"] for r in rows if r["kind"] == "step")
+            if len(steps) >= 4 and not any(e["event"] == "epoch_end" for e in read_events(run)):
+                break
+            time.sleep(0.3)
+        os.kill(first.pid, signal.SIGKILL)  # the driver, as an OOM kill or a lost head would
+        first.wait(30)
+    finally:
+        _kill_group(first)  # and what its embedded Ray left behind (its own session: this test's alone)
+    assert len(steps) >= 4 and steps[-1] < STEPS, steps  # streamed mid-epoch, before the epoch ended
+    on_storage = sorted(r["global_step"] for r in read_metrics(run).to_pylist() if r["kind"] == "step")
+    assert on_storage[: len(steps)] == steps  # what was flushed is still there
+
+    again = job(storage, f"{tmp_path}/again.log")
+    try:
+        assert again.wait(300) == 0, open(f"{tmp_path}/again.log").read()[-3000:]
+    finally:
+        _kill_group(again)
+    final = [r["global_step"] for r in run_metrics(run.root).to_pylist() if r["kind"] == "step"]
+    (started,) = [e for e in read_events(run) if e["event"] == "group_started" and e["resume_step"] > 0]
+    resumed = started["resume_step"]
+    # Every row flushed before the kill is kept, and every step the resubmission trained has its row, once.
+    # The steps between the last flush and the checkpoint it resumed from were trained by the killed
+    # driver's workers in the seconds before Ray ended them (their checkpoint holds that training): their
+    # rows died with the driver (docs/failures.md, what survives what).
+    assert final[: len(steps)] == steps and final == sorted(set(final))
+    assert final[-(EPOCHS * STEPS - resumed) :] == list(range(resumed + 1, EPOCHS * STEPS + 1))
+
+
+def _kill_group(p: subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:  # already gone, with everything it started
+        pass
+    p.wait(30)
