@@ -11,6 +11,7 @@ import pytest
 
 from cluster.checkpoint import CheckpointStore, CheckpointUnreadableError, step_dir
 from cluster.errors import StorageError
+from cluster.metrics import EventLog, read_event_log
 from cluster.storage import Storage
 from tests.support.faultfs import Faults
 from tests.support.store_faults import SCENARIOS, Scenario, commit, local_backend, walk
@@ -64,3 +65,36 @@ def test_a_read_outage_shorter_than_the_retry_budget_costs_time_not_the_resume(t
     faults.read_outage(0.3)
     loaded = faulty(root, faults, retries=3, budget_s=30.0).load_latest()
     assert loaded is not None and loaded.info.step == 10
+
+
+def test_every_injection_point_of_an_event_append_keeps_every_event_appended_before(tmp_path: Any) -> None:
+    """The event log (one segment rewritten whole per append, atomically): a write or move that fails once,
+    or crashes the writer, during an append never loses an event whose append returned, and the next
+    writer (a resubmission) appends after all of them."""
+    counter = Faults()
+    base = f"{tmp_path}/count"
+    log = EventLog(Storage(f"faultfile://{base}", {"faults": counter}, retries=0, retry_budget_s=0.0))
+    for i in range(3):
+        log.append("checkpoint", step=i)
+    points = [(k, n) for k in ("write", "move") for n in range(1, counter.counts[k] + 1)]
+    assert points
+    for at in points:
+        for crash in (False, True):
+            root = f"{tmp_path}/{at[0]}{at[1]}{crash}"
+            faults = Faults(at, crash=crash)
+            writer = EventLog(
+                Storage(f"faultfile://{root}", {"faults": faults}, retries=0, retry_budget_s=0.0)
+            )
+            acked = []
+            for i in range(3):
+                try:
+                    writer.append("checkpoint", step=i)
+                    acked.append(i)
+                except StorageError:
+                    continue
+            assert faults.fired
+            stored = [r["step"] for r in read_event_log(Storage(root)) if r["event"] == "checkpoint"]
+            assert set(acked) <= set(stored), f"{at} crash={crash}: acknowledged {acked}, stored {stored}"
+            EventLog(Storage(root)).append("checkpoint", step=99)  # a resubmission appends after them
+            after = [r["step"] for r in read_event_log(Storage(root)) if r["event"] == "checkpoint"]
+            assert after[:-1] == stored and after[-1] == 99
