@@ -357,12 +357,15 @@ def _rewind(args: argparse.Namespace, options: dict[str, Any]) -> int:
 
 def _stop(args: argparse.Namespace, options: dict[str, Any]) -> int:
     from cluster.control import write_stop_request
+    from cluster.lease import current as current_lease
 
     storage, problem = _running_run(args, options)
     if problem is not None:
         return _error(f"error: {problem}, nothing to stop", 2)
     req = write_stop_request(storage, args.reason)
-    print(f"asked {storage.root} to stop ({req.reason}); its driver looks every few seconds")
+    holder = current_lease(storage)
+    by = f": {holder.describe()}" if holder is not None else ""
+    print(f"asked {storage.root} to stop ({req.reason}){by}; its driver looks every few seconds")
     if args.wait <= 0:
         return 0
 
@@ -471,13 +474,16 @@ def _running_run(args: argparse.Namespace, options: dict[str, Any]) -> tuple[Any
     from cluster.lease import current as current_lease
 
     storage = inspect.open_run(args.url, args.name, options)
+    status = inspect.live_status(storage, inspect.read_events(storage))
     holder = current_lease(storage)  # who writes the run (cluster.lease): runs of earlier versions have none
     if holder is not None:
-        if holder.released:
-            return storage, f"{storage.root} has no job training it (the last, {holder.describe()}, ended)"
-        print(f"asking {holder.describe()}")
-        return storage, None
-    status = inspect.live_status(storage, inspect.read_events(storage))
+        if not holder.released:
+            return storage, None
+        shown = status if status not in (inspect.RUNNING, inspect.UNFINISHED) else "not training"
+        return (
+            storage,
+            f"{storage.root} is {shown}: no job is training it (the last, {holder.describe()}, ended)",
+        )
     if status == inspect.INTERRUPTED:
         seen = driver_seen(storage) or {}
         return storage, (

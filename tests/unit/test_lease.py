@@ -153,9 +153,9 @@ def test_stop_goes_through_the_lease(run: Storage, capsys: pytest.CaptureFixture
     run.write_bytes("run.json", b'{"name": "run", "config": {}}')
     job = Lease.take(run, "raysubmit_x")
     assert main(["stop", run.root, "--wait", "0"]) == 0
-    assert "asking job raysubmit_x" in capsys.readouterr().out and run.exists(STOP_FILE)
+    assert ": job raysubmit_x" in capsys.readouterr().out and run.exists(STOP_FILE)
     run.rm(STOP_FILE)
     job.release()
     assert main(["stop", run.root, "--wait", "0"]) == 2
-    assert "no job training it (the last, job raysubmit_x" in capsys.readouterr().err
+    assert "no job is training it (the last, job raysubmit_x" in capsys.readouterr().err
     assert not run.exists(STOP_FILE)
