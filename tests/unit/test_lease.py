@@ -73,7 +73,7 @@ def test_takeover_does_not_wait_and_fences_even_a_live_job(run: Storage) -> None
     try:
         t0 = time.monotonic()
         taker = Lease.take(run, "taker", takeover=True)
-        assert time.monotonic() - t0 < 1 and taker.generation == 2
+        assert time.monotonic() - t0 < 5 and taker.generation == 2  # no watching of the beat (2.5 s)
         wait = time.monotonic() + 10
         while live.fenced_by is None and time.monotonic() < wait:
             time.sleep(0.1)  # the live job's next beat sees the newer generation
