@@ -516,30 +516,50 @@ class CheckpointWriter:
         self.async_save = async_save
         self.on_commit = on_commit
         self.records: list[CommitRecord] = []
+        self.last: CommitRecord | None = None
+        """The newest write's record, drained or not."""
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._abandon = False
         self._pool = HostBuffers()
         self._model_checked = False
+        self.rows_seq = 0
+        """The event count the rows written beside commits are placed by (``Worker.setup`` sets it)."""
 
-    def save(self, step: int, epoch: int, meta: dict[str, Any], files: dict[str, Any]) -> float:
-        """Checkpoint ``files`` (name -> object) at ``step``; return the seconds training was blocked."""
+    def save(
+        self,
+        step: int,
+        epoch: int,
+        meta: dict[str, Any],
+        files: dict[str, Any],
+        rows: list[dict[str, Any]] | None = None,
+    ) -> float:
+        """Checkpoint ``files`` (name -> object) at ``step``; return the seconds training was blocked.
+        ``rows``: rank 0's step rows since the last checkpoint, written beside the commit once it is
+        committed (:func:`cluster.metrics.write_commit_rows`)."""
         t0 = time.perf_counter()
         self.wait()
         host = snapshot(files, self._pool)
         stall = time.perf_counter() - t0
+        args = (step, epoch, meta, host, stall, rows or [])
         if self.async_save:
-            self._thread = threading.Thread(
-                target=self._write, args=(step, epoch, meta, host, stall), name=f"ckpt-{step}", daemon=True
-            )
+            self._thread = threading.Thread(target=self._write, args=args, name=f"ckpt-{step}", daemon=True)
             self._thread.start()
         else:
-            self._write(step, epoch, meta, host, stall)
+            self._write(*args)
             stall = time.perf_counter() - t0
             self.records[-1].stall_s = stall
         return stall
 
-    def _write(self, step: int, epoch: int, meta: dict[str, Any], host: dict[str, Any], stall: float) -> None:
+    def _write(
+        self,
+        step: int,
+        epoch: int,
+        meta: dict[str, Any],
+        host: dict[str, Any],
+        stall: float,
+        rows: list[dict[str, Any]],
+    ) -> None:
         t0 = time.perf_counter()
         record = CommitRecord(step=step, epoch=epoch, url="", bytes=0, stall_s=stall, write_s=0.0)
         try:
@@ -555,6 +575,7 @@ class CheckpointWriter:
                 return
             info = self.store.commit(step, blobs, {**meta, "epoch": epoch})
             record.url, record.bytes = info.url, info.total_bytes
+            self._write_rows(step, epoch, meta, rows, stall)
             try:
                 self.store.retain(self.keep_last, self.keep_best, self.keep_every)
             finally:
@@ -564,8 +585,24 @@ class CheckpointWriter:
         record.write_s = time.perf_counter() - t0
         with self._lock:
             self.records.append(record)
+            self.last = record
         if self.on_commit is not None:
             self.on_commit(record)
+
+    def _write_rows(
+        self, step: int, epoch: int, meta: dict[str, Any], rows: list[dict[str, Any]], stall: float
+    ) -> None:
+        """The step rows up to a commit, beside it: a failure to write them is logged, the commit stands
+        (the driver has them too unless it died)."""
+        if not rows:
+            return
+        at = [{**r, "checkpoint_stall_s": stall} if r["global_step"] == step else r for r in rows]
+        from cluster.metrics import write_commit_rows  # pyarrow: only where a writer commits
+
+        try:
+            write_commit_rows(self.store.storage, at, step, epoch, int(meta.get("attempt", 0)), self.rows_seq)
+        except Exception as exc:  # the commit holds the training; the rows are a copy
+            logger.warning("could not write the step rows of the checkpoint at step %d: %s", step, exc)
 
     def _check_loadable(self, host: dict[str, Any], blobs: dict[str, bytes]) -> None:
         """Load each blob back through the safe loader before anything is written (CheckpointError naming

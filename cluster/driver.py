@@ -363,10 +363,10 @@ class Driver:
         assert self.group is not None
         group = self.group
         if s.dispatched_at is None:
-            if self.record.eval_missing(s.epoch * self.steps_per_epoch + s.start_step, self.steps_per_epoch):
-                group.run_epoch(s.epoch, s.start_step, evaluate_first=True)
-            else:
-                group.run_epoch(s.epoch, s.start_step)
+            missing = self.record.eval_missing(
+                s.epoch * self.steps_per_epoch + s.start_step, self.steps_per_epoch
+            )
+            group.run_epoch(s.epoch, s.start_step, evaluate_first=missing, seq=self.record.events.count)
         t_epoch = s.dispatched_at or time.time()
         watch = HangWatch(self.cfg.failures, self.global_step)
         while True:
@@ -412,7 +412,7 @@ class Driver:
         assert self.group is not None
         next_state = self._after_epoch(head)
         if isinstance(next_state, Running) and not self._commits_would_fail(head):
-            self.group.run_epoch(next_state.epoch, next_state.start_step)
+            self.group.run_epoch(next_state.epoch, next_state.start_step, seq=self.record.events.count)
         self._record_epoch(head, wall_s, s.recovery)
         return self._commits_failing() or next_state
 

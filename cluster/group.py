@@ -166,9 +166,10 @@ class WorkerGroup(Protocol):
         ``skips`` and ``rollback``: ``Worker.setup``'s."""
         ...
 
-    def run_epoch(self, epoch: int, start_step: int, evaluate_first: bool = False) -> None:
+    def run_epoch(self, epoch: int, start_step: int, evaluate_first: bool = False, seq: int = 0) -> None:
         """Dispatch an epoch to every rank and return at once; ``poll`` collects it. ``evaluate_first``:
-        evaluate before the first step (the evaluation due there was lost with a failure)."""
+        evaluate before the first step (the evaluation due there was lost with a failure). ``seq``: the
+        run's event count now (``Worker.run_epoch``'s)."""
         ...
 
     def poll(self, timeout: float) -> list[EpochResult] | None:

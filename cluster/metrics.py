@@ -175,7 +175,13 @@ class EventLog:
 
 
 def write_metrics(
-    storage: Storage, rows: list[dict[str, Any]], epoch: int, attempt: int, seq: int | None = None
+    storage: Storage,
+    rows: list[dict[str, Any]],
+    epoch: int,
+    attempt: int,
+    seq: int | None = None,
+    folder: str = "metrics",
+    tag: str = "",
 ) -> str | None:
     """Write rows as one Parquet file under ``metrics/`` (atomically: a reader never sees half of it); return
     its relative path. ``seq``: how many events the run's log held when the rows were written, so that a
@@ -188,10 +194,33 @@ def write_metrics(
     )
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
-    tag = f"-s{seq:09d}" if seq is not None else ""
-    rel = f"metrics/steps-e{epoch:05d}-a{attempt:03d}{tag}-{int(time.time() * 1000)}.parquet"
+    at = f"-s{seq:09d}" if seq is not None else ""
+    rel = f"{folder}/steps-e{epoch:05d}-a{attempt:03d}{at}-{tag}{int(time.time() * 1000)}.parquet"
     storage.write_atomic(rel, sink.getvalue().to_pybytes())
     return rel
+
+
+COMMIT_ROWS = "metrics_at_commit"
+"""Where rank 0 writes the step rows up to each checkpoint it commits, beside the commit (one Parquet file
+per commit): the copy a run's final path falls back on for steps whose rows the driver never wrote (it was
+killed between its last flush and the commit). Not under ``metrics/``: a reader of that folder sees each row
+once."""
+
+
+def write_commit_rows(
+    storage: Storage, rows: list[dict[str, Any]], step: int, epoch: int, attempt: int, seq: int
+) -> str | None:
+    """Rank 0's step rows up to the checkpoint at ``step``, under :data:`COMMIT_ROWS` (``seq``: the event
+    count when the driver started the group, see :func:`write_metrics`)."""
+    return write_metrics(
+        storage,
+        [{"kind": "step", **r} for r in rows],
+        epoch,
+        attempt,
+        seq,
+        folder=COMMIT_ROWS,
+        tag=f"c{step}",
+    )
 
 
 def _column(values: list[Any], typ: pa.DataType) -> pa.Array:
@@ -213,16 +242,16 @@ def _column(values: list[Any], typ: pa.DataType) -> pa.Array:
     return pa.Array.from_buffers(typ, n, [bitmap, pa.py_buffer(array.array(code, (v or 0 for v in values)))])
 
 
-def read_metric_parts(storage: Storage) -> list[tuple[int | None, pa.Table]]:
+def read_metric_parts(storage: Storage, folder: str = "metrics") -> list[tuple[int | None, pa.Table]]:
     """Each metrics file as ``(seq, table)`` (``seq``: see :func:`write_metrics`; None for files written by
     earlier versions). A torn or unreadable file is left out with a warning: the rest of the run reads."""
     parts: list[tuple[int | None, pa.Table]] = []
-    for name in sorted(f for f in storage.listdir("metrics") if f.endswith(".parquet")):
+    for name in sorted(f for f in storage.listdir(folder) if f.endswith(".parquet")):
         try:
-            table = pq.read_table(pa.BufferReader(storage.read_bytes(f"metrics/{name}")))
+            table = pq.read_table(pa.BufferReader(storage.read_bytes(f"{folder}/{name}")))
         except (pa.ArrowException, OSError) as exc:
             logger.warning(
-                "skipping %s: it does not read as Parquet (%s)", storage.url(f"metrics/{name}"), exc
+                "skipping %s: it does not read as Parquet (%s)", storage.url(f"{folder}/{name}"), exc
             )
             continue
         match = _SEQ_RE.search(name)
@@ -230,7 +259,7 @@ def read_metric_parts(storage: Storage) -> list[tuple[int | None, pa.Table]]:
     return parts
 
 
-_SEQ_RE = re.compile(r"-s(\d{9})-")
+_SEQ_RE = re.compile(r"-s(\d{9})-")  # the tag after it may be c<step>
 
 
 def read_metrics(storage: Storage) -> pa.Table:

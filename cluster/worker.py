@@ -116,6 +116,7 @@ class Worker:
         self._store: dist.TCPStore | None = None
         self._connect_marks: dict[str, float] = {}
         self._rows: deque[dict[str, Any]] = deque()  # rank 0's step rows not yet handed to the driver
+        self._commit_rows: list[dict[str, Any]] = []  # rank 0's step rows since its last checkpoint
         self._kept: TrainSession | None = None  # a survivor's session after its group failed (peer recovery)
         self._task: Task | None = None
         self._dataset: Any = None
@@ -213,11 +214,14 @@ class Worker:
         the driver handles by their type (ConfigError, StorageError and theirs) pass as they are."""
         step = self.pos.global_step
         try:
-            return self._setup(host, port, peers, skips, rollback)
+            session = self._setup(host, port, peers, skips, rollback)
         except (ConfigError, StorageError):
             raise
         except Exception as exc:
             err = self._setup_error(exc, step)
+        else:
+            self._commit_rows = []  # rows of an attempt that failed: its commits wrote theirs
+            return session
         raise err
 
     def _setup_error(self, exc: Exception, step: int) -> WorkerError:
@@ -377,17 +381,21 @@ class Worker:
 
     # ----------------------------------------------------------------- training
     def run_epoch(
-        self, epoch: int, start_step: int, dispatch: int = 0, evaluate_first: bool = False
+        self, epoch: int, start_step: int, dispatch: int = 0, evaluate_first: bool = False, seq: int = 0
     ) -> EpochResult:
         """Train epoch ``epoch`` from step ``start_step`` to its end (or to the step a stop request names);
         evaluate and checkpoint as configured. ``dispatch`` numbers the driver's calls (see
         :class:`cluster.schedule.StopRequest`). ``evaluate_first``: the evaluation due at the resume point
-        was lost with a failure (the driver never got it): run it before the first step."""
+        was lost with a failure (the driver never got it): run it before the first step. ``seq``: how many
+        events the run's log held when the driver dispatched the epoch (the step rows rank 0 writes beside
+        its commits are placed by it: ``cluster.metrics.write_metrics``)."""
         if self._stop.dispatch != dispatch:
             self._stop = StopRequest()  # a request for an earlier call
         self._train_ident = threading.get_ident()  # whose stack ``stacks`` marks as the training thread
         try:
             session = self._session()
+            if session.writer is not None:
+                session.writer.rows_seq = seq
             cdist.bind_thread(session.device)  # Ray may run this call on another thread than setup's
             return self._run_epoch(session, epoch, start_step, dispatch, evaluate_first)
         except WorkerError as exc:
@@ -449,13 +457,17 @@ class Worker:
                 tally.skipped += 1
             else:
                 step = self._step(s, epoch, local_idx, tally)
-            stall = 0.0
+            due = False
             if p.step_in_epoch < sched.steps_per_epoch:  # the epoch's last step: in _end_epoch
                 early = self._maybe_evaluate(s)
-                stall = self._maybe_checkpoint(s, sched.checkpoint(p.global_step) or early)
-            if step is not None and self.rank == 0 and (sched.log(p.global_step) or stall):
-                loss, metrics, dt, now = step
-                row = self._step_row(s, loss, metrics, dt, stall, now)
+                due = self._checkpoint_due(sched.checkpoint(p.global_step) or early)
+            row = None
+            if step is not None and self.rank == 0 and (sched.log(p.global_step) or due):
+                row = self._step_row(s, *step)
+                self._journal(s, row)  # before the checkpoint: its commit carries the rows up to it
+            stall = self._checkpoint(s) if due else 0.0
+            if row is not None:
+                row["checkpoint_stall_s"] = stall
                 self._rows.append(row)
                 self._divergence.check(row["loss"], p.global_step)
             if early:
@@ -512,13 +524,21 @@ class Worker:
         self._evaluate(s)
         return p.best.stop_due(p.global_step)
 
-    def _maybe_checkpoint(self, s: TrainSession, due: bool) -> float:
-        """Checkpoint this step when ``due`` or when its evaluation became the best, unless one of this
-        step exists; rank 0's stall in seconds."""
+    def _checkpoint_due(self, due: bool) -> bool:
+        """Whether to checkpoint this step: when ``due`` or when its evaluation became the best, unless one
+        of this step exists."""
         step = self.pos.global_step
-        if (due or self._evals.best_at == step) and self._last_checkpoint != step:
-            return self._checkpoint(s)
-        return 0.0
+        return (due or self._evals.best_at == step) and self._last_checkpoint != step
+
+    def _maybe_checkpoint(self, s: TrainSession, due: bool) -> float:
+        """Checkpoint this step when :meth:`_checkpoint_due`; rank 0's stall in seconds."""
+        return self._checkpoint(s) if self._checkpoint_due(due) else 0.0
+
+    def _journal(self, s: TrainSession, row: dict[str, Any]) -> None:
+        """Keep rank 0's step row for the next commit, which writes the rows up to its step beside it
+        (``CheckpointWriter.save``): a driver that dies before it writes them does not take them along."""
+        if s.writer is not None:
+            self._commit_rows.append(row)
 
     def _end_epoch(
         self, s: TrainSession, epoch: int, dispatch: int, tally: _EpochTally, stopped: bool, early: bool
@@ -577,9 +597,10 @@ class Worker:
         loss: torch.Tensor,
         metrics: dict[str, Any],
         dt: float,
-        stall: float,
         now: float,
     ) -> dict[str, Any]:
+        """Rank 0's metric row of the step just trained (``checkpoint_stall_s`` is set once the step's
+        checkpoint, if any, is taken)."""
         p = self.pos
         return {
             "time": now,
@@ -593,7 +614,7 @@ class Worker:
             "step_time_s": dt,
             "input_wait_s": self._pace.input_s,
             "samples_per_s": self.cfg.training.global_batch_size / dt if dt > 0 else 0.0,
-            "checkpoint_stall_s": stall,
+            "checkpoint_stall_s": 0.0,
             "world_size": self.world_size,
             "attempt": self.attempt,
             **{f"m_{k}": float(v) for k, v in metrics.items()},
@@ -631,7 +652,10 @@ class Worker:
             "attempt": self.attempt,
             **self._evals.checkpoint_meta(p),
         }
-        stall = s.writer.save(p.global_step, state.epoch, meta, checkpoint_files(s.raw_model, state))
+        rows, self._commit_rows = self._commit_rows, []
+        stall = s.writer.save(
+            p.global_step, state.epoch, meta, checkpoint_files(s.raw_model, state), rows=rows
+        )
         self._last_step_at = time.time()
         return stall
 
@@ -681,9 +705,9 @@ class Worker:
         cdist.bind_thread(self.session.device if self.session is not None else None)
         writer.close(flush=True)
         records = writer.drain()
-        return records + self._rewrite_failed_last(records)
+        return records + self._rewrite_failed_last()
 
-    def _rewrite_failed_last(self, records: list[CommitRecord]) -> list[CommitRecord]:
+    def _rewrite_failed_last(self) -> list[CommitRecord]:
         """Rank 0, as the group ends: when the newest checkpoint asked for (at the step the ranks stand at)
         failed to commit, write it again from the live state, up to ``LAST_COMMIT_RETRIES`` times with a
         pause (storage already retried each file). A sharded optimizer's state needs every rank (a
@@ -693,13 +717,13 @@ class Worker:
             return []
         out: list[CommitRecord] = []
         for attempt in range(1, LAST_COMMIT_RETRIES + 1):
-            mine = [r for r in records + out if r.step == step]
-            if not mine or any(not r.error for r in mine):
+            last = s.writer.last  # the epoch's result may have reported it already: not in ``records``
+            if last is None or last.step != step or not last.error:
                 break
             logger.warning(
                 "checkpoint at step %d failed (%s): writing it again (%d/%d)",
                 step,
-                mine[-1].error,
+                last.error,
                 attempt,
                 LAST_COMMIT_RETRIES,
             )

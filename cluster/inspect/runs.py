@@ -15,7 +15,7 @@ from typing import Any
 from cluster.checkpoint import CheckpointInfo, CheckpointStore, best_of, score_of
 from cluster.control import DRIVER_GONE_S, driver_seen
 from cluster.errors import CheckpointError, ClusterError, StorageError
-from cluster.metrics import concat_metrics, read_event_log, read_metric_parts
+from cluster.metrics import COMMIT_ROWS, concat_metrics, read_event_log, read_metric_parts
 from cluster.storage import Storage, join, normalize_url
 
 FINISHED, FAILED, UNFINISHED = "finished", "failed", "running/interrupted"
@@ -115,9 +115,31 @@ def final_path(rows: list[dict[str, Any]], events: list[dict[str, Any]]) -> list
 
     "Later" is read without clocks where the rows say where they were written (``_seq``: how many events the
     log held then, see ``cluster.metrics.write_metrics``): a rank's clock behind the driver's drops nothing.
-    Rows of earlier versions, without it, are placed by their time."""
+    Rows of earlier versions, without it, are placed by their time.
+
+    Rows marked ``_copy`` (the ones rank 0 wrote beside its commits, ``cluster.metrics.COMMIT_ROWS``) fill
+    only the steps no other row of their kind covers: a driver killed before it wrote them."""
     if rows and all(isinstance(r.get("_seq"), int) for r in rows):
-        return _final_by_seq(rows, events)
+        return _fill_from_copies(_final_by_seq(rows, events))
+    return _fill_from_copies(_final_by_time(rows, events))
+
+
+def _fill_from_copies(kept: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each (kind, step) once: the driver's row where it wrote one, else the first copy."""
+    have = {(r["kind"], r["global_step"]) for r in kept if not r.get("_copy")}
+    out = []
+    for r in kept:
+        key = (r["kind"], r["global_step"])
+        if r.get("_copy"):
+            if key in have:
+                continue
+            have.add(key)
+        out.append(r)
+    return out
+
+
+def _final_by_time(rows: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """:func:`final_path` by the rows' times (rows of versions that did not write ``_seq``)."""
     backs = sorted(
         (float(e["time"]), int(e["resume_step"] if e.get("event") == "group_started" else e["to_step"]))
         for e in events
@@ -163,8 +185,15 @@ def run_metrics(run_url: str, storage_options: dict[str, Any] | None = None, fin
         return table
     import pyarrow as pa
 
+    copies = read_metric_parts(storage, COMMIT_ROWS)
     rows = [{**r, "_seq": seq} for seq, part in parts for r in part.to_pylist()]
-    kept = [{k: v for k, v in r.items() if k != "_seq"} for r in final_path(rows, read_events(storage))]
+    rows += [{**r, "_seq": seq, "_copy": True} for seq, part in copies for r in part.to_pylist()]
+    if copies:
+        table = concat_metrics([table, *(t for _, t in copies)])  # the schema of both
+    kept = [
+        {k: v for k, v in r.items() if k not in ("_seq", "_copy")}
+        for r in final_path(rows, read_events(storage))
+    ]
     return pa.Table.from_pylist(kept, schema=table.schema)
 
 

@@ -87,9 +87,9 @@ class _WorkerActor:
             listen_on(store_address(node_ip, True, self.worker.cfg.scaling.socket_ifname))
 
     def run_epoch(
-        self, epoch: int, start_step: int, dispatch: int = 0, evaluate_first: bool = False
+        self, epoch: int, start_step: int, dispatch: int = 0, evaluate_first: bool = False, seq: int = 0
     ) -> EpochResult:
-        return self.worker.run_epoch(epoch, start_step, dispatch, evaluate_first)
+        return self.worker.run_epoch(epoch, start_step, dispatch, evaluate_first, seq)
 
     def hold_stop(self, dispatch: int) -> int:
         return self.worker.hold_stop(dispatch)
@@ -147,6 +147,7 @@ _TRAINING_MODULES = (
     "group.py",
     "lease.py",
     "load.py",
+    "metrics.py",
     "pace.py",
     "parquet.py",
     "peer.py",

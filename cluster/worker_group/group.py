@@ -190,10 +190,10 @@ class RayWorkerGroup:
         return self.spare.ready_s()
 
     # --------------------------------------------------------------- epochs
-    def run_epoch(self, epoch: int, start_step: int, evaluate_first: bool = False) -> None:
+    def run_epoch(self, epoch: int, start_step: int, evaluate_first: bool = False, seq: int = 0) -> None:
         self._dispatch += 1
         self.pending = [
-            a.run_epoch.remote(epoch, start_step, self._dispatch, evaluate_first) for a in self.actors
+            a.run_epoch.remote(epoch, start_step, self._dispatch, evaluate_first, seq) for a in self.actors
         ]
 
     def poll(self, timeout: float) -> list[EpochResult] | None:

@@ -55,7 +55,7 @@ def _entry(
             port = port_q.get(timeout=60)
         session = worker.setup("127.0.0.1", port)
         info = session.info
-        result: dict[str, Any] = {"resume": info.resume, "epochs": [], "rows": []}
+        result: dict[str, Any] = {"resume": info.resume, "epochs": [], "rows": [], "commits": []}
         if grads:
             result["grads"] = one_backward(worker)
         for epoch, start in plan:
@@ -64,7 +64,8 @@ def _entry(
             r = worker.run_epoch(epoch, start)
             result["epochs"].append((r.epoch, r.global_step, r.loss))
             result["rows"] += r.step_rows
-        worker.finish()
+            result["commits"] += r.commits
+        result["commits"] += worker.finish()  # and the ones not yet reported
         result["params"] = {k: v.detach().clone() for k, v in session.raw_model.state_dict().items()}
         local = getattr(session.optimizer, "optim", session.optimizer)  # a ZeroRedundancyOptimizer's own
         result["optimizer"] = (type(session.optimizer).__name__, len(local.state))

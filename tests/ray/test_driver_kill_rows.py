@@ -1,6 +1,7 @@
 """A driver SIGKILLed mid-epoch (``ray job stop`` past its wait, an OOM, a lost head): the step rows up to its
-last flush (``metrics.flush_s``) are on storage, and the resubmission writes the rows of every step it trains,
-each once on the path the run took."""
+last flush (``metrics.flush_s``) are on storage, the rows of the steps its workers trained after it are beside
+the checkpoint they committed, and the resubmission writes the rows of every step it trains: each step's row
+once on the path the run took."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 
 from cluster.inspect import read_events, run_metrics
-from cluster.metrics import read_metrics
+from cluster.metrics import COMMIT_ROWS, read_metric_parts, read_metrics
 from cluster.storage import Storage
 from tests.support.faults import EPOCHS, STEPS, overrides
 
@@ -63,12 +64,13 @@ def test_a_killed_driver_s_rows_are_on_storage_and_the_resubmission_completes_th
     final = [r["global_step"] for r in run_metrics(run.root).to_pylist() if r["kind"] == "step"]
     (started,) = [e for e in read_events(run) if e["event"] == "group_started" and e["resume_step"] > 0]
     resumed = started["resume_step"]
-    # Every row flushed before the kill is kept, and every step the resubmission trained has its row, once.
-    # The steps between the last flush and the checkpoint it resumed from were trained by the killed
-    # driver's workers in the seconds before Ray ended them (their checkpoint holds that training): their
-    # rows died with the driver (docs/failures.md, what survives what).
-    assert final[: len(steps)] == steps and final == sorted(set(final))
-    assert final[-(EPOCHS * STEPS - resumed) :] == list(range(resumed + 1, EPOCHS * STEPS + 1))
+    # Every step of the run has its row, once: the ones flushed before the kill, the ones the killed
+    # driver's workers trained in the seconds before Ray ended them (rank 0 wrote them beside the checkpoint
+    # the resubmission resumed from), and every one the resubmission trained.
+    assert final[: len(steps)] == steps
+    assert final == list(range(1, EPOCHS * STEPS + 1)), (resumed, steps, final)
+    beside = read_metric_parts(run, COMMIT_ROWS)
+    assert beside, "rank 0 wrote no rows beside its commits"
 
 
 def _kill_group(p: subprocess.Popen[str]) -> None:

@@ -108,7 +108,7 @@ class ScriptedGroup:
             for r in range(world_size)
         ]
 
-    def run_epoch(self, epoch: int, start_step: int, evaluate_first: bool = False) -> None:
+    def run_epoch(self, epoch: int, start_step: int, evaluate_first: bool = False, seq: int = 0) -> None:
         self.calls.append(f"epoch{epoch}@{start_step}")
         if evaluate_first:
             self.evaluate_first = [*getattr(self, "evaluate_first", []), epoch * STEPS + start_step]

@@ -44,6 +44,12 @@ class Faults:
         self.reads_down = False
         self._down_until = 0.0
         self._down_paths = ""
+        self._refuse_paths, self._refuse_left = "", 0
+
+    def refuse_writes(self, paths: str, times: int) -> None:
+        """Refuse (PermissionError: storage does not retry it) the next ``times`` writes of a path that
+        contains ``paths``."""
+        self._refuse_paths, self._refuse_left = paths, times
 
     def read_outage(self, seconds: float = math.inf, paths: str = "") -> None:
         """Fail every read (of a path containing ``paths``) for the next ``seconds``."""
@@ -56,6 +62,9 @@ class Faults:
         outage = self.reads_down or (time.monotonic() < self._down_until and self._down_paths in what)
         if kind == "read" and outage:
             raise InjectedFault(f"injected read outage: {what}")
+        if kind == "write" and self._refuse_left and self._refuse_paths in what:
+            self._refuse_left -= 1
+            raise PermissionError(f"injected refusal: {what}")
         if self.at == (kind, self.counts[kind]):
             self.fired = True
             self.crashed = self.crash

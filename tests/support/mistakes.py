@@ -283,10 +283,16 @@ class Outcome:
     """Whether ``{tmp}/runs`` exists afterwards."""
 
 
+_HELD: list[socket.socket] = []
+
+
 def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A local port that refuses connections for as long as this process lives: bound, never listening, so
+    no other process (a Ray started by a test beside this one) can take it and answer there."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    _HELD.append(s)
+    return int(s.getsockname()[1])
 
 
 def fill(text: str, tmp: str, port: int) -> str:

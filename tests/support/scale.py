@@ -30,7 +30,7 @@ class BigGroup(ScriptedGroup):
         self._beats: list[Heartbeat | None] = []
         self._results: list[EpochResult] = []
 
-    def run_epoch(self, epoch: int, start_step: int, evaluate_first: bool = False) -> None:
+    def run_epoch(self, epoch: int, start_step: int, evaluate_first: bool = False, seq: int = 0) -> None:
         super().run_epoch(epoch, start_step)
         step = epoch * STEPS + 1
         self._beats = [

@@ -289,3 +289,39 @@ def test_discard_after_sets_aside_the_best_and_milestones_newer_than_the_point(
     assert latest is not None and latest.info.step == 10  # neither shadows the rollback point
     scored(store, 20, 0.2)
     assert store.discard_after(10, keep_best=False) == [20] and store.steps_on_storage() == [10]
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_the_step_rows_up_to_a_commit_are_written_beside_it_and_only_once_it_committed(
+    tmp_path: object, async_save: bool
+) -> None:
+    from cluster.metrics import COMMIT_ROWS, read_metric_parts
+
+    class NoModel(Storage):  # the second commit's weights never land
+        def write_bytes(self, rel: str, data: bytes) -> None:
+            if rel.startswith("checkpoints/") and "4" in rel.split("/")[1] and rel.endswith("model.pt"):
+                raise OSError("disk full")
+            super().write_bytes(rel, data)
+
+    store = CheckpointStore(NoModel(f"{tmp_path}/run", retries=0))
+    writer = CheckpointWriter(store, keep_last=5, async_save=async_save)
+    writer.rows_seq = 7
+
+    def rows(*steps: int) -> list[dict[str, object]]:
+        return [{"global_step": s, "loss": float(s), "checkpoint_stall_s": 0.0} for s in steps]
+
+    files = {"model.pt": {"w": torch.ones(2)}, "train_state.pt": {}}
+    writer.save(2, 0, {"attempt": 1}, files, rows=rows(1, 2))
+    writer.save(4, 0, {"attempt": 1}, files, rows=rows(3, 4))  # fails: its rows are not written
+    writer.close()
+    assert [r.error is None for r in writer.drain()] == [True, False]
+    (part,) = read_metric_parts(store.storage, COMMIT_ROWS)
+    seq, table = part
+    written = table.to_pylist()
+    assert seq == 7
+    assert [(r["kind"], r["global_step"], r["attempt"]) for r in written] == [
+        ("step", 1, None),
+        ("step", 2, None),
+    ]
+    assert written[0]["checkpoint_stall_s"] == 0.0 and written[1]["checkpoint_stall_s"] > 0.0  # the commit's
+    assert store.storage.listdir("metrics") == []  # a reader of metrics/ sees each row once (the driver's)

@@ -191,3 +191,33 @@ def test_the_final_path_leaves_out_rows_the_run_went_back_past() -> None:
         (6, 23),
     ]
     assert final_path(rows[:3], []) == rows[:3]  # no restarts: every row
+
+
+def test_rows_written_beside_commits_fill_only_the_steps_the_driver_wrote_no_row_for() -> None:
+    from cluster.inspect import final_path
+
+    def row(step: int, seq: int, copy: bool = False, kind: str = "step") -> dict[str, object]:
+        return {
+            "kind": kind,
+            "global_step": step,
+            "time": float(step),
+            "_seq": seq,
+            "_copy": copy,
+            "src": copy,
+        }
+
+    events = [ev("group_started", resume_step=0), ev("x"), ev("group_started", resume_step=4), ev("x")]
+    rows = [row(s, 1) for s in (1, 2)]  # the driver flushed 1-2, then died
+    rows += [row(s, 1, copy=True) for s in (1, 2, 3, 4)]  # rank 0's commit at 4 wrote 1-4 beside it
+    rows += [row(s, 1, copy=True) for s in (5, 6)]  # a commit at 6 the next driver went back past
+    rows += [row(s, 3) for s in (5, 6, 7)]  # the resubmission resumed from 4
+    kept = final_path(rows, events)
+    assert [(r["global_step"], r["src"]) for r in kept] == [
+        (1, False),
+        (2, False),
+        (3, True),
+        (4, True),
+        (5, False),
+        (6, False),
+        (7, False),
+    ]
