@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
@@ -25,6 +26,7 @@ from cluster import local_ray
 from cluster.checkpoint import CheckpointStore
 from cluster.config import JobConfig, resolve_notify_url
 from cluster.errors import ConfigError, StorageError
+from cluster.goodput import Goodput
 from cluster.group import WorkerGroup
 from cluster.storage import Storage, join, normalize_url
 from cluster.task import Task, task_path
@@ -58,6 +60,9 @@ class Result:
     metrics); None when the task has no eval set or none ran."""
     stopped_early: bool = False
     """Early stopping (``evaluation.patience``) ended the run before its last epoch."""
+    goodput: Goodput | None = None
+    """Where the run's wall clock went, every second in one class, and its ETTR (docs/goodput.md): for the
+    whole run, across submissions, and per attempt."""
     stop_reason: str | None = None
     """With status ``stopped``: who asked (``SIGINT``, ``SIGTERM``, ``python -m cluster stop by ...``). The
     ranks stopped at ``global_step`` with a checkpoint there; resubmitting the same job resumes from it."""
@@ -95,6 +100,7 @@ def result_of(driver: Driver) -> Result:
         stopped_early=driver.stopped_early,
         skipped_steps=list(driver.skips),
         stop_reason=stop.reason if isinstance(state, Stopped) and stop is not None else None,
+        goodput=driver.record.ledger.goodput(driver.record.ledger.ended_at),
     )
 
 
@@ -256,6 +262,7 @@ def train(
     """
     from cluster.driver import Driver
 
+    asked_at = time.time()  # the goodput ledger's start: Ray's start counts as the run's
     if task is not None:
         cfg = dataclasses.replace(cfg, task=task_path(task))
     preflight(cfg, task)
@@ -265,7 +272,7 @@ def train(
         check_cluster(cfg)  # refusals write nothing: the lease is taken after them
         lease = lease or take_lease(cfg, takeover, None if out is None else lambda t: print(t, file=out))
         factory = functools.partial(ray_group_factory, task_cls=task) if task is not None else None
-        driver = Driver(cfg, group_factory=factory, out=out, lease=lease)
+        driver = Driver(cfg, group_factory=factory, out=out, lease=lease, started_at=asked_at)
         with stop_on_signals(driver):
             return driver.run()
     finally:

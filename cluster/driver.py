@@ -32,6 +32,7 @@ import sys
 import time
 from typing import Any, TextIO
 
+from cluster import replica
 from cluster.api import Result, ray_group_factory, result_of, take_lease
 from cluster.checkpoint import CheckpointStore, CheckpointUnreadableError
 from cluster.config import JobConfig, Window, merge_windows, skip_windows
@@ -53,11 +54,13 @@ from cluster.errors import (
     TrainingFailedError,
 )
 from cluster.group import EpochResult, GroupFactory, Salvage, SetupInfo, StartCancelled, WorkerGroup
+from cluster.hang import hang_failure
 from cluster.lease import GENERATION_ENV, FencedError, Lease
 from cluster.moves import Cancel, Decision, GrowNow, MoveWatch, Prepare, StopFor
 from cluster.peer import PeerPlan, plan_recovery
-from cluster.policy import FailurePolicy, HangWatch
+from cluster.policy import FailurePolicy, HangStats, HangWatch
 from cluster.preemption import Move
+from cluster.quarantine import Quarantine
 from cluster.record import RunRecord, ended_early
 from cluster.recovery import peer_plan, rollback_window
 from cluster.states import (
@@ -97,6 +100,7 @@ class Driver:
         poll_s: float = 1.0,
         takeover: bool = False,
         lease: Lease | None = None,
+        started_at: float | None = None,
     ) -> None:
         self.cfg = cfg
         self.takeover = takeover
@@ -109,8 +113,13 @@ class Driver:
         self.storage = Storage(join(normalize_url(cfg.storage.url), cfg.name), cfg.storage.options)
         self.run_url = self.storage.root
         self.record = RunRecord(cfg, self.storage, out or sys.stdout)
+        self.record.t0 = started_at or time.time()  # the goodput ledger's start (``cluster.goodput``)
         self.control = RunControl(self.storage, cfg.training.time_limit_s)
         self.moves = MoveWatch(cfg, self.record)
+        self.quarantine = Quarantine(
+            self.storage, cfg.failures.quarantine_after, self.record.event, self._keep_off
+        )
+        """Nodes kept out of the run after repeated incidents (``cluster.quarantine``)."""
         self.attempt = 0
         self.epoch = 0
         self.global_step = 0
@@ -126,6 +135,7 @@ class Driver:
         self._streak = 0  # failures since the last completed epoch
         self._spare_announced = False  # the current group's hot spare was reported ready
         self._seen_step = 0  # the furthest step a heartbeat reported
+        self._hang_stats = HangStats(0)  # the group's step statistics the automatic hang timeout uses
 
     @property
     def events(self) -> Any:
@@ -163,7 +173,9 @@ class Driver:
         """Everything the run writes is fenced by ``lease``: once another job took the run over, the next
         trusted write raises FencedError and the run ends without writing more."""
         self.record.events.fence = lease.check
+        self.quarantine.fence = lease.check
         self._prepare_storage()
+        self.quarantine.load()  # an earlier submission's quarantined nodes stay out
         self.record.event(
             "run_start",
             attempt=self.attempt,
@@ -278,6 +290,7 @@ class Driver:
         target, minimum = cfg.scaling.num_workers, cfg.effective_min_workers
         t0 = time.time()
         group = self.group = self._new_group(s)
+        self.record.ledger.reserving(t0)
         try:
             # A stop asked while Ray has no room ends the run here; one asked when the group can start (a
             # backoff's, a signal at start-up) is acted on at its first step, with a checkpoint there.
@@ -290,8 +303,11 @@ class Driver:
         except StartCancelled as exc:
             return self._stop_unstarted(str(exc), s.salvage)
         t_reserved = time.time()
+        self.record.ledger.reserved(t_reserved)
         if n < target and s.move is None:  # a shrink for a drain is recorded with its own reason
             self.record.shrunk(self.world_size or target, n)
+            if self.quarantine.nodes:
+                self.record.print(f"[{cfg.name}] smaller: {self.quarantine.wait_note()}")
         infos = self._set_up(group, n, s)
         if isinstance(infos, Failure):
             return self._on_failure(infos)
@@ -310,6 +326,8 @@ class Driver:
             env[GENERATION_ENV] = str(self.lease.generation)
         group_cfg = dataclasses.replace(cfg, scaling=dataclasses.replace(cfg.scaling, env=env))
         group = self.group_factory(group_cfg, self.run_url, self.attempt)
+        if self.quarantine.nodes:
+            group.keep_off(self.quarantine.nodes)
         if s.salvage is not None:
             group.adopt(s.salvage)
         return group
@@ -351,6 +369,8 @@ class Driver:
         self.record.started()
         self._spare_announced = False
         self.moves.new_group(infos)
+        c = self.cfg.checkpoint
+        self._hang_stats = HangStats(r.global_step, c.every_steps > 0 or c.every_epochs > 0)
         self.record.eval_total = head.eval_batches
         if s.recovery is not None:
             s.recovery.group_started(t_reserved, t_ready, infos, r.global_step)
@@ -368,7 +388,7 @@ class Driver:
             )
             group.run_epoch(s.epoch, s.start_step, evaluate_first=missing, seq=self.record.events.count)
         t_epoch = s.dispatched_at or time.time()
-        watch = HangWatch(self.cfg.failures, self.global_step)
+        watch = HangWatch(self.cfg.failures, self.global_step, self._hang_stats)
         while True:
             try:
                 self._watch_control()  # here, not only between heartbeats: epochs may be shorter than those
@@ -392,8 +412,10 @@ class Driver:
             hung = self._heartbeat(watch)
             if hung is not None:
                 self.mode = None
-                self._dump_stacks(f"hang: {hung[1]}", "hang", watch.max_step)  # before the group is killed
-                return self._on_failure(Failure("hang", hung[0], hung[1]), watch.max_step)
+                # before the group is killed; they tell the hung rank from the ranks waiting for it
+                stacks = self._dump_stacks(f"hang: {hung[1]}", "hang", watch.max_step)
+                failure = hang_failure(hung, stacks, watch.steps(), self.cfg.failures.warm_restart)
+                return self._on_failure(failure, watch.max_step)
 
     def _heartbeat(self, watch: HangWatch) -> tuple[int, str] | None:
         """One heartbeat round while an epoch runs: rows, the hang watch, pace, the spare, the live bar."""
@@ -410,6 +432,7 @@ class Driver:
         """Record the epoch; return what comes next. A next epoch is dispatched before the recording, so the
         workers train while this epoch's metrics, events and progress line are written."""
         assert self.group is not None
+        self._hang_stats.rows(head.step_rows)  # the epoch's end checkpoint's stall
         next_state = self._after_epoch(head)
         if isinstance(next_state, Running) and not self._commits_would_fail(head):
             self.group.run_epoch(next_state.epoch, next_state.start_step, seq=self.record.events.count)
@@ -484,6 +507,7 @@ class Driver:
         if isinstance(next_state, Finishing):
             return next_state  # that was the last epoch: the run is done, not stopped
         assert self.group is not None
+        self.record.ledger.enter("checkpoint_stall")
         commits = self.group.finish()  # the stop's checkpoint is committed before the workers go
         self.record.commits(commits)
         committed = any(c.step == head.global_step and not c.error for c in [*head.commits, *commits])
@@ -491,6 +515,7 @@ class Driver:
 
     def _finish(self, s: Finishing) -> State:
         assert self.group is not None
+        self.record.ledger.enter("checkpoint_stall")  # the final checkpoint's flush
         self.record.commits(self.group.finish())
         if self.record.committed.get(self.global_step) is False:  # the final checkpoint did not commit
             infos = CheckpointStore(self.storage).list()
@@ -526,6 +551,7 @@ class Driver:
     def _resize(self, s: Resizing) -> State:
         """Grow back at an epoch boundary: the epoch-end checkpoint is flushed, then a new gang starts."""
         assert self.group is not None
+        self.record.ledger.enter("starting")  # a grow: the new gang starts (and may wait for room)
         self.record.commits(self.group.finish())
         self.record.grown(self.world_size, s.new_size, self.global_step)
         self.group.shutdown(graceful=True)
@@ -547,6 +573,10 @@ class Driver:
         if d is None or self.group is None:
             return
         if isinstance(d, Prepare):
+            if d.move.slow:  # an incident of the node the slow rank leaves
+                step = self._step_seen()
+                nodes, hosts = self.moves.rank_nodes, self.moves.rank_hosts
+                self.quarantine.ranks("slow_rank_move", d.move.ranks, step, nodes, hosts)
             if d.place:
                 if d.avoid is None:
                     self.group.prepare_move(d.move.ranks)
@@ -584,6 +614,7 @@ class Driver:
         m, group, head = s.move, self.group, s.results[0]
         commits = group.finish()  # the checkpoint the stop asked for is committed before anything goes
         next_state = self._record_stretch(head, s.wall_s, s.recovery, whole=not head.stopped)
+        self.record.ledger.enter("moves")
         if isinstance(next_state, Finishing | Resizing):
             self.record.commits(commits)
             return next_state
@@ -645,11 +676,15 @@ class Driver:
     def _step_seen(self) -> int:
         return max(self.global_step, self._seen_step)
 
-    def _dump_stacks(self, reason: str, kind: str, step: int | None, request: str | None = None) -> None:
-        if self.group is not None:
-            dump_stacks(
-                self.group, self.record, reason, kind, step, self.attempt, self.moves.rank_hosts, request
-            )
+    def _dump_stacks(
+        self, reason: str, kind: str, step: int | None, request: str | None = None
+    ) -> dict[int, Any] | None:
+        """``dump_stacks``; the stacks taken (rank -> threads, None: no answer), or None."""
+        if self.group is None:
+            return None
+        return dump_stacks(
+            self.group, self.record, reason, kind, step, self.attempt, self.moves.rank_hosts, request
+        )
 
     def _stop_unstarted(self, why: str, salvage: Salvage | None) -> Stopped:
         """A stop asked before the group trained: nothing to checkpoint but what survivors of a failure hold
@@ -679,6 +714,9 @@ class Driver:
         self.failures.append(failure)
         self._streak += 1
         self.record.failure(failure, self.attempt, seen_step)
+        if isinstance(self.state, Running):  # the ranks' nodes are known once a group is set up
+            step = seen_step or self.global_step
+            self.quarantine.failure(failure, step, self.moves.rank_nodes, self.moves.rank_hosts)
         timing = RecoveryTiming(failure.kind, time.time(), seen_step or self.global_step)
         return Recovering(failure, timing)
 
@@ -704,6 +742,10 @@ class Driver:
             self.group = None
         timing.t_teardown = time.time()
         self.record.flush_rows(salvage.rows if salvage is not None else [], self.epoch, self.attempt)
+        if failure.kind == "replica_mismatch":  # no checkpoint after the last agreeing check is used again
+            fence = self.lease.check if self.lease is not None else None
+            hosts, nodes = self.moves.rank_hosts, self.moves.rank_nodes
+            replica.after_mismatch(failure, self.storage, fence, self.cfg, self.record.event, hosts, nodes)
         plan = peer_plan(self.cfg, failure, salvage, timing) if decision.restart else None
         window = rollback_window(self.cfg, failure) if decision.restart else None
         if window is not None:
@@ -724,6 +766,11 @@ class Driver:
             time.sleep(min(0.5, max(0.0, wake - time.monotonic())))
         self.attempt += 1
         return Starting(recovery=timing, salvage=salvage, peers=plan)
+
+    def _keep_off(self, nodes: list[str]) -> None:
+        """A node was quarantined: the current group places nothing more there (``WorkerGroup.keep_off``)."""
+        if self.group is not None:
+            self.group.keep_off(nodes)
 
     def _fail(self, exc: BaseException) -> Failed:
         self._record_failed(exc)

@@ -42,6 +42,19 @@ class Kind:
     ``False``: not printed."""
 
 
+def _goodput(r: Fields) -> str:
+    seconds = r.get("seconds") or {}
+    wall = float(r.get("wall_s") or 0.0)
+    parts = sorted(
+        ((float(v), k) for k, v in seconds.items() if k != "productive" and float(v) >= 0.05 * wall),
+        reverse=True,
+    )
+    lost = ", ".join(f"{k} {v:.0f} s" for v, k in parts[:3])
+    return f"goodput: ETTR {fmt(r.get('ettr'), 3)} of {wall:.0f} s" + (
+        f" (besides training: {lost})" if lost else ""
+    )
+
+
 def fmt(value: Any, digits: int = 4) -> str:
     """A value in a line or a table cell: ``-`` for None, floats to ``digits`` places (large ones whole)."""
     if value is None:
@@ -100,6 +113,19 @@ def _rollback(r: Fields) -> str:
     gone = f", deleted checkpoints {r['discarded']}" if r.get("discarded") else ""
     aside = f", set aside {r['set_aside']}" if r.get("set_aside") else ""
     return f"rollback after a loss that was not finite: to {where}, steps {first}-{last} skipped{gone}{aside}"
+
+
+def _replica_mismatch(r: Fields) -> str:
+    ranks = list(r.get("ranks") or [])
+    hosts = list(r.get("hosts") or [])
+    who = ", ".join(f"{k} ({h})" if h else str(k) for k, h in zip(ranks, [*hosts, *[""] * len(ranks)]))
+    back = r.get("checkpoint_step")
+    where = f"checkpoint step {back}" if back is not None else "the run's start"
+    gone = f", deleted checkpoints {r['discarded']}" if r.get("discarded") else ""
+    return (
+        f"replica mismatch at step {r.get('step')}: rank(s) {who} differ from the others; the last agreement "
+        f"was at step {r.get('agreed_step')}: back to {where}, those ranks get new processes{gone}"
+    )
 
 
 def _stacks(r: Fields) -> str:
@@ -306,6 +332,19 @@ def _slow_move_console(r: Fields) -> str:
     )
 
 
+def _quarantined(r: Fields) -> str:
+    what = ", ".join(f"{i.get('kind')} at step {i.get('step')}" for i in r.get("incidents") or [])
+    host = f" ({r.get('host')})" if r.get("host") else ""
+    return f"node {str(r.get('node'))[:12]}{host} quarantined after {what}: it gets no more ranks of this run"
+
+
+def _quarantined_console(r: Fields) -> str:
+    return (
+        f"{_quarantined(r)}, also after a resubmission (failures.quarantine_after={r.get('after')}); "
+        f"python -m cluster unquarantine {r.get('run')} {str(r.get('node'))[:12]} releases it"
+    )
+
+
 def _stacks_console(r: Fields) -> str:
     lines = [f"  ranks {ranges(list(g.get('ranks') or []))}: {g.get('where')}" for g in r.get("groups") or []]
     if r.get("silent"):
@@ -473,6 +512,7 @@ KINDS: dict[str, Kind] = _kinds(
             "samples_per_s": "its throughput",
             "world_size": "ranks at its end",
             "skipped_steps": "steps of it skipped (`training.skip_steps`, rollbacks); absent when none",
+            "goodput": "the run's goodput account so far (as the `goodput` event's fields; docs/goodput.md)",
         },
         lambda r: (
             f"epoch {int(r.get('epoch', -1)) + 1} done: step {r.get('global_step')}, loss "
@@ -537,6 +577,21 @@ KINDS: dict[str, Kind] = _kinds(
         console=_resize_console,
     ),
     Kind(
+        "goodput",
+        "the run ends (finished, stopped or failed): its goodput account, just before that event",
+        {
+            "wall_s": "seconds from the first submission's start to the end, across submissions",
+            "ettr": "effective training time ratio: productive seconds / wall_s",
+            "seconds": "seconds per class (`cluster.goodput.CLASSES`; they add up to wall_s)",
+            "steps": "steps counted productive and recomputed",
+            "attempts": "seconds per class for each attempt (`<submission>.<attempt>`)",
+            "state": "what a resubmission continues the account from",
+        },
+        _goodput,
+        watch=True,
+        console=True,
+    ),
+    Kind(
         "finished",
         "every epoch is trained and the last checkpoint committed",
         {
@@ -569,6 +624,9 @@ KINDS: dict[str, Kind] = _kinds(
             **_GROUP,
             "message": "what was seen (a traceback for an error)",
             "step": "the global step it was seen at",
+            "suspect": "a hang: the rank that hangs, told apart from the ranks waiting for it (null: none)",
+            "told_by": "a hang: how the suspect was told apart (its stacks, its step), or why no rank was",
+            "survivors_kept": "a hang: whether the other ranks keep their processes (and state)",
         },
         lambda r: (
             f"failure: {r.get('kind')} on rank {r.get('rank')} at step {r.get('step')}{_first_line(r, 300)}"
@@ -637,6 +695,29 @@ KINDS: dict[str, Kind] = _kinds(
         show=True,
         tensorboard=True,
         console=_rollback_console,
+    ),
+    Kind(
+        "replica_mismatch",
+        "the ranks' parameters differed at a replica check (`failures.replica_check_steps`): silent data "
+        "corruption on the differing ranks",
+        {
+            "step": "the step checked",
+            "ranks": "the ranks that differ from the majority (every rank when there is none: both at 2)",
+            "hosts": "their hosts",
+            "nodes": "their Ray node ids",
+            "agreed_step": "the last check that agreed (or where the group's state was loaded)",
+            "params": "the first parameters that differ",
+            "digests": "each rank's digest of its parameters",
+            "checkpoint_step": "the newest checkpoint at or before `agreed_step`, resumed from (null: the "
+            "run's start)",
+            "discarded": "newer checkpoints deleted (no replica check agreed on them)",
+            "set_aside": "newer ones moved to `checkpoints/discarded/` (a best or a milestone that agreed)",
+        },
+        _replica_mismatch,
+        watch=True,
+        show=True,
+        tensorboard=True,
+        console=True,
     ),
     Kind(
         "rewound",
@@ -755,6 +836,35 @@ KINDS: dict[str, Kind] = _kinds(
         watch=True,
         show=True,
         console=True,
+    ),
+    Kind(
+        "node_quarantined",
+        "a node reached `failures.quarantine_after` incidents (deaths, lost node, hangs, replica mismatches, "
+        "slow-rank moves): no more ranks of this run go there, also after a resubmission",
+        {
+            "node": "its Ray node id",
+            "host": "its host or address, where known",
+            "incidents": "each incident: `kind`, `step`, `time`, `rank`",
+            "after": "`failures.quarantine_after`",
+            "run": "the run's URL (for `python -m cluster unquarantine`)",
+        },
+        _quarantined,
+        watch=True,
+        show=True,
+        console=_quarantined_console,
+    ),
+    Kind(
+        "node_released",
+        "`python -m cluster unquarantine` released a quarantined node: ranks may go there again",
+        {
+            "node": "its Ray node id",
+            "host": "its host",
+            "by": "user@host",
+            "cleared": "the incidents cleared",
+        },
+        lambda r: f"node {str(r.get('node'))[:12]} released from quarantine by {r.get('by')}",
+        watch=True,
+        show=True,
     ),
     # ------------------------------------------------------------ requests: stop, stacks, profile
     Kind(

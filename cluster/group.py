@@ -83,6 +83,8 @@ class EpochResult:
     seconds: float
     first_step_at: float | None
     step_rows: list[dict[str, Any]] = field(default_factory=list)
+    input_wait_s: float = 0.0
+    """Seconds rank 0 waited for its batches in the epoch's steps (the goodput ledger's input stall)."""
     commits: list[CommitRecord] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     """This rank's mean over the epoch's steps of each extra metric ``Task.compute_loss`` returned."""
@@ -205,6 +207,11 @@ class WorkerGroup(Protocol):
 
     def available_for(self, n: int) -> bool:
         """Whether the cluster has free resources for ``n`` more workers now."""
+        ...
+
+    def keep_off(self, nodes: list[str]) -> None:
+        """Place no rank on these (quarantined) nodes from now on: new bundles avoid them, a salvage
+        re-places the ranks still there (``cluster.quarantine``). Called only once a node is quarantined."""
         ...
 
     def salvage(

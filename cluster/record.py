@@ -20,9 +20,10 @@ import torch
 
 from cluster.checkpoint import CheckpointInfo, CheckpointStore, CommitRecord, step_dir
 from cluster.config import JobConfig, resolve_notify_url
-from cluster.errors import ConfigError, Failure
+from cluster.errors import ConfigError, Failure, StorageError
 from cluster.evaluate import eval_due
 from cluster.events import console_line
+from cluster.goodput import Ledger, ledger_for
 from cluster.group import EpochResult, SetupInfo
 from cluster.metrics import EventLog, ProgressDisplay, write_metrics
 from cluster.peer import PeerPlan
@@ -64,6 +65,8 @@ class RunRecord:
         self.failed_in_a_row = 0
         self.last_commit_error = ""
         self.committed: dict[int, bool] = {}  # step -> whether a commit there succeeded (this submission)
+        self.t0 = time.time()  # when the job was asked for (``cluster.train`` sets it): the ledger's start
+        self.ledger = Ledger(self.t0)  # the goodput account (``cluster.goodput``), continued in ``open``
 
     # ------------------------------------------------------------------ the run's files
     def open(self) -> None:
@@ -74,15 +77,16 @@ class RunRecord:
             previous = json.loads(self.storage.read_bytes("run.json"))
         except FileNotFoundError:
             previous = None
+        history: list[dict[str, Any]] = []
         if previous is not None:
             check_compatible(previous.get("config", {}), self.cfg)
-            self.evaluated = {
-                int(r["global_step"]) for r in self.events.records() if r.get("event") == "evaluation"
-            }
+            history = self.events.records()
+            self.evaluated = {int(r["global_step"]) for r in history if r.get("event") == "evaluation"}
             self._created = float(previous.get("created") or time.time())
         else:
             self._write_run_json()
-        self._submit()
+        number = self._submit()
+        self.ledger = ledger_for(self.t0, number, history, self._driver_beat() if history else None)
         self.tracker = self._make_tracker()
         if self.tracker is not None:
             self.events.listeners.append(self.tracker.event)
@@ -101,12 +105,31 @@ class RunRecord:
         }
         self.storage.write_atomic("run.json", json.dumps(info, indent=1, default=str).encode())
 
-    def _submit(self) -> None:
+    def _driver_beat(self) -> dict[str, Any] | None:
+        """The previous driver's ``driver.json`` (its last sign of life), if it reads."""
+        from cluster.control import DRIVER_FILE
+
+        try:
+            return dict(json.loads(self.storage.read_bytes(DRIVER_FILE)))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            logger.warning("could not read %s for the goodput account: %s", DRIVER_FILE, exc)
+            return None
+
+    def goodput_event(self, ended: bool = True) -> None:
+        """The account as it stands (a ``goodput`` event; the run's end writes it with ``ended``)."""
+        self.ledger.close()
+        snap = self.ledger.snapshot(ended=ended)
+        self.event("goodput", **snap)
+
+    def _submit(self) -> int:
         """``submissions/NNNNNN.json``: each submission's config (redacted as in run.json), in order."""
         numbers = [int(n[:-5]) for n in self.storage.listdir(SUBMISSIONS) if n[:-5].isdigit()]
         number = max(numbers, default=0) + 1
         body = {"submission": number, "time": time.time(), "config": self.cfg.to_dict()}
         self.storage.write_atomic(f"{SUBMISSIONS}/{number:06d}.json", json.dumps(body, default=str).encode())
+        return number
 
     def started(self) -> None:
         """A group of this submission set up and started (its checkpoint loaded into its model): ``run.json``
@@ -212,6 +235,7 @@ class RunRecord:
         head = infos[0]
         self.display = ProgressDisplay(steps_per_epoch * self.cfg.training.epochs, self.out)
         r = head.resume
+        self.ledger.started(attempt, r.global_step)
         niceness = sorted({i.niceness for i in infos})
         for note in niceness:
             if "not permitted" in note:
@@ -244,6 +268,9 @@ class RunRecord:
         """The step rows rank 0 streams with its heartbeats: tracked at once, and written at least every
         ``metrics.flush_s`` (each time as a file of their own), so a driver killed mid-epoch loses at most
         that window of them."""
+        live = [b for b in beats if b is not None]
+        if live:
+            self.ledger.progressed(max(b.global_step for b in live), max(b.last_step_at for b in live))
         for b in beats:
             if b is not None and b.rows:
                 rows = self.arrived(b.rows)
@@ -274,6 +301,7 @@ class RunRecord:
     def evaluation(self, row: dict[str, Any]) -> None:
         step = int(row["global_step"])
         self.evaluated.add(step)
+        self.ledger.stall("evaluation", float(row.get("step_time_s") or 0.0))
         metrics = {k[2:]: v for k, v in row.items() if k.startswith("m_")}
         self.last_eval = {"global_step": step, "epoch": row["epoch"], "loss": row["loss"], **metrics}
         self.event(
@@ -340,6 +368,7 @@ class RunRecord:
         self._write([{"kind": "step", **r} for r in streamed] + unstreamed, head.epoch, attempt)
         self.track(unstreamed)
         self.commits(head.commits)
+        self._ran(head)
         self.event(
             "epoch_end",
             epoch=head.epoch,
@@ -349,6 +378,7 @@ class RunRecord:
             samples_per_s=round(samples_per_s, 1),
             world_size=world_size,
             **({"skipped_steps": head.skipped} if head.skipped else {}),
+            goodput=self.ledger.snapshot(),
         )
         self.last_metrics = {
             "epoch": head.epoch,
@@ -372,6 +402,13 @@ class RunRecord:
             self._write(rows, head.epoch, attempt)
             self.track(rows[len(streamed) :])
         self.commits(head.commits)
+        self._ran(head)
+
+    def _ran(self, head: EpochResult) -> None:
+        """The ledger's account of what a group trained until ``head``."""
+        self.ledger.stall("input_stall", head.input_wait_s)
+        start = head.global_step - head.steps - head.skipped
+        self.ledger.ran(head.first_step_at, start, head.global_step)
 
     def flush_rows(self, more: list[dict[str, Any]], epoch: int, attempt: int) -> None:
         """After a failure: write every step row rank 0 logged before it (nothing recorded is lost)."""
@@ -386,6 +423,7 @@ class RunRecord:
         """Each commit's event (``checkpoint`` or ``checkpoint_failed``, and what retention quarantined);
         ``failed_in_a_row`` counts the commits that failed since the last one that did not."""
         for c in commits:
+            self.ledger.stall("checkpoint_stall", c.stall_s)
             self.committed[c.step] = self.committed.get(c.step, False) or not c.error
             self.failed_in_a_row = self.failed_in_a_row + 1 if c.error else 0
             if c.error:
@@ -446,6 +484,7 @@ class RunRecord:
         )
 
     def finished(self, global_step: int, loss: float, attempts: int) -> None:
+        self.goodput_event()
         self.event(
             "finished",
             global_step=global_step,
@@ -464,6 +503,7 @@ class RunRecord:
         self, reason: str, requested_at: float, global_step: int, committed: bool, note: str | None
     ) -> None:
         infos = CheckpointStore(self.storage).list()
+        self.goodput_event()
         self.event(
             "stopped",
             reason=reason,
@@ -475,10 +515,15 @@ class RunRecord:
         )
 
     def run_failed(self, exc: BaseException) -> None:
+        try:
+            self.goodput_event()
+        except StorageError as err:  # the failure's own event matters more
+            logger.warning("could not record the run's goodput account: %s", err)
         self.event("run_failed", error=str(exc)[:4000])
 
     # ------------------------------------------------------------------ failures and recovery
     def failure(self, failure: Failure, attempt: int, step: int | None) -> None:
+        self.ledger.failed()
         self.event(
             "failure",
             kind=failure.kind,

@@ -53,6 +53,7 @@ from cluster.pace import StepPace
 from cluster.peer import PeerPlan, PeerState
 from cluster.process import set_niceness, tune_process
 from cluster.profiling import ProfileRequest, StepProfiler
+from cluster.replica import ReplicaGuard, ReplicaMismatchError
 from cluster.schedule import HOLD_STEPS as HOLD_STEPS  # cluster.worker_group imports it from here
 from cluster.schedule import Schedule, StopRequest, Window, merge_windows, skip_windows
 from cluster.session import TrainSession, build_model, join_group, sampler_for, writer_for
@@ -77,6 +78,7 @@ class _EpochTally:
     skipped: int = 0
     first_step_at: float | None = None
     started: float = field(default_factory=time.perf_counter)
+    input_s: float = 0.0  # waits for batches (the goodput ledger's input stall)
 
     def add(self, loss: torch.Tensor, metrics: dict[str, Any], samples: int) -> None:
         self.steps += 1
@@ -131,6 +133,7 @@ class Worker:
         )
         self._profiler: StepProfiler | None = None  # made by the first ``profile`` request
         self._divergence = Divergence(cfg.failures)
+        self._replica = ReplicaGuard(cfg.failures.replica_check_steps)  # ranks compare their parameters
         self.gpu_index = 0  # this rank's GPU among the visible ones (``use_gpus``)
         self.faults = Faults(cfg, rank, attempt)
         self._pace = StepPace()
@@ -287,6 +290,7 @@ class Worker:
             kept, peers, rollback, raw_model, device, sampler, store, t
         )
         sampler.order = self.pos.sampler_order  # the resumed run's (a new run's when nothing was resumed)
+        self._replica.begin(raw_model, self.world_size, self.pos.global_step)  # every rank holds the same
         writer = writer_for(self.rank, kept.writer if kept is not None else None, store, cfg)
         # DDP's buffer broadcast at each forward is a wait for the others inside the step: left out of the
         # rank's own part. (Not under training.compile: hooks would be traced into the compiled forward.)
@@ -407,7 +411,7 @@ class Worker:
                 type(exc).__name__,
                 str(exc),
                 traceback.format_exc(),
-                getattr(exc, "detail", None) if isinstance(exc, DivergedError) else None,
+                exc.detail if isinstance(exc, DivergedError | ReplicaMismatchError) else None,
             )
         finally:
             self._in_epoch = False
@@ -457,6 +461,7 @@ class Worker:
                 tally.skipped += 1
             else:
                 step = self._step(s, epoch, local_idx, tally)
+            self._replica.after_step(p.global_step)
             due = False
             if p.step_in_epoch < sched.steps_per_epoch:  # the epoch's last step: in _end_epoch
                 early = self._maybe_evaluate(s)
@@ -505,6 +510,7 @@ class Worker:
             self._profiler.after_step(p.global_step)
         p.step_in_epoch += 1
         tally.add(loss, metrics, self.cfg.training.global_batch_size)
+        tally.input_s += self._pace.input_s
         self._divergence.track(loss, p.global_step)
         dt = time.perf_counter() - t0
         self._pace.end(dt)
@@ -546,6 +552,7 @@ class Worker:
         """The epoch's end: its last step's evaluation and checkpoint (or a planned stop's checkpoint), the
         mean loss over every rank (one collective per epoch; nothing per step) and the divergence check."""
         p, sched = self.pos, s.schedule
+        self._replica.settle()
         asked = self._stop.settle(dispatch, self.cfg.failures.process_group_timeout_s)
         at_end = not stopped and p.step_in_epoch == sched.steps_per_epoch
         if at_end and not early:
@@ -572,6 +579,7 @@ class Worker:
             loss=mean_loss,
             seconds=time.perf_counter() - tally.started,
             first_step_at=tally.first_step_at,
+            input_wait_s=tally.input_s,
             step_rows=self._drain_rows(),
             commits=s.writer.drain() if s.writer else [],
             metrics={k: float(v) / max(steps, 1) for k, v in tally.metric_sums.items()},
@@ -639,6 +647,7 @@ class Worker:
         background). A sharded optimizer's state is gathered on rank 0 first (a collective). At an epoch's
         end the state points at the start of the next epoch."""
         p = self.pos
+        self._replica.verify(p.global_step)  # never a state the replicas disagree on
         self._last_checkpoint = p.global_step
         if ddp.is_zero(s.optimizer):
             s.optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]
@@ -651,6 +660,7 @@ class Worker:
             "step_in_epoch": state.step_in_epoch,
             "attempt": self.attempt,
             **self._evals.checkpoint_meta(p),
+            **self._replica.meta(p.global_step),
         }
         rows, self._commit_rows = self._commit_rows, []
         stall = s.writer.save(
