@@ -7,6 +7,7 @@
     python -m cluster eval ./runs/tiny-cpu --step best     # a checkpoint on the run's eval set, here
     python -m cluster export ./runs/tiny-cpu --out m.safetensors --step best  # weights for serving
     python -m cluster rewind ./runs/tiny-cpu --to 400 --yes  # delete the checkpoints after step 400
+    python -m cluster unquarantine ./runs/tiny-cpu 3f2a9c   # ranks may go to that node again
     python -m cluster stop ./runs/tiny-cpu --wait 300      # a running job stops with a checkpoint
     python -m cluster stacks ./runs/tiny-cpu               # where every rank of a running job is now
     python -m cluster profile ./runs/tiny-cpu --steps 5    # torch.profiler traces of a running job's steps
@@ -159,6 +160,14 @@ def _add_checkpoint_commands(add: Callable[[str, str], argparse.ArgumentParser])
     rw.add_argument("name", nargs="?", help="run name under URL")
     rw.add_argument("--to", type=int, required=True, metavar="STEP", help="the checkpoint step to go back to")
     rw.add_argument("--yes", action="store_true", help="delete the newer checkpoints (without: list them)")
+
+    uq = add(
+        "unquarantine",
+        "release a node the run quarantined after repeated incidents (failures.quarantine_after): the next "
+        "submission may place ranks there again",
+    )
+    uq.add_argument("url", help="URL/NAME of a run")
+    uq.add_argument("node", help="the node: its Ray node id, a prefix of it, or its host (as show lists it)")
 
 
 def _add_requests(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
@@ -355,6 +364,19 @@ def _rewind(args: argparse.Namespace, options: dict[str, Any]) -> int:
     return 0
 
 
+def _unquarantine(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    from cluster.quarantine import unquarantine
+
+    storage = inspect.open_run(args.url, None, options)
+    try:
+        rec = unquarantine(storage.root, args.node, options, say=print)
+    except ConfigError as exc:
+        return _error(f"error: {exc}", 2)
+    cleared = ", ".join(f"{i['kind']} at step {i['step']}" for i in rec.released[-1]["incidents"])
+    print(f"released node {rec.describe()} of {storage.root} (its incidents: {cleared}): ranks may go there")
+    return 0
+
+
 def _stop(args: argparse.Namespace, options: dict[str, Any]) -> int:
     from cluster.control import write_stop_request
     from cluster.lease import current as current_lease
@@ -508,6 +530,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace, dict[str, Any]], int]] = {
     "eval": _eval,
     "export": _export,
     "rewind": _rewind,
+    "unquarantine": _unquarantine,
     "stop": _stop,
     "stacks": _stacks,
     "profile": _profile,

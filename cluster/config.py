@@ -189,6 +189,7 @@ class FaultSpec:
         "crash_in_eval",
         "slow",
         "nan",
+        "flip_bit",
     ] = "crash"
     """``crash``: the process is SIGKILLed before the step; ``hang``: it stops making progress;
     ``raise``: user code raises RuntimeError; ``crash_in_checkpoint``: rank 0 is SIGKILLed while writing
@@ -197,7 +198,9 @@ class FaultSpec:
     ``crash_after_step``: SIGKILLed right after that step's optimizer update, before the next collective;
     ``crash_in_eval``: SIGKILLed in the evaluation after that step, after its first eval batch;
     ``slow``: from that step on, the rank sleeps 50 ms at the start of each step (it holds the others up);
-    ``nan``: from that step on, the rank's loss is NaN (a diverged run)."""
+    ``nan``: from that step on, the rank's loss is NaN (a diverged run); ``flip_bit``: one bit of the
+    rank's first parameter is flipped before the step (silent data corruption: found by
+    ``replica_check_steps``)."""
     attempt: int = 0
     """Attempt (0 = first start, 1 = after the first recovery...) on which it fires; -1 = every attempt."""
 
@@ -207,10 +210,16 @@ class FailureConfig:
     max_failures: int = 3
     """Failures survived before the job gives up; -1 means unlimited."""
     hang_timeout_s: float | None = None
-    """Seconds without step progress before a worker counts as hung. ``null``: 10x the slowest observed
-    step time, at least ``hang_timeout_floor_s``."""
+    """Seconds without step progress before a worker counts as hung. ``null``: automatic, 10x the slowest
+    observed step time and 3x the longest checkpoint stall, at least ``hang_timeout_floor_s`` while the
+    group warms up and ``hang_timeout_min_s`` after (docs/failures.md)."""
     hang_timeout_floor_s: float = 60.0
-    """Lower bound on the automatic hang timeout (and the timeout before the first step is seen)."""
+    """Lower bound on the automatic hang timeout while a group warms up (before its first step too)."""
+    hang_timeout_min_s: float = 10.0
+    """Lower bound on the automatic hang timeout once a group is warm: it trained ``hang_warmup_steps``
+    steps and, with checkpoints on, took one. Set it to ``hang_timeout_floor_s`` to keep that floor."""
+    hang_warmup_steps: int = 100
+    """Steps a group trains before its automatic hang timeout may drop below ``hang_timeout_floor_s``."""
     backoff_s: float = 1.0
     """The first restart after progress is immediate; a second failure before an epoch completes waits
     this long, doubling per failure up to ``backoff_max_s``."""
@@ -233,6 +242,11 @@ class FailureConfig:
     """What a slow rank gets: ``report`` (an event and a console line), or ``move``: also a replacement on
     another node, prepared while training goes on, that takes its place between two steps with the state
     of a healthy rank (as a drain notice's move; docs/failures.md). No room elsewhere: reported only."""
+    quarantine_after: int = 2
+    """A node involved in this many incidents of one run (a rank's process died there, the node was lost, a
+    hang or a replica mismatch blamed on a rank there, a slow rank moved off it) gets no more ranks of the
+    run, also after a resubmission; ``python -m cluster unquarantine`` releases it (docs/failures.md).
+    ``0``: never."""
     process_group_timeout_s: float = 300.0
     """Timeout of collectives in the process group (init_process_group ``timeout``)."""
     preemption: bool = True
@@ -250,6 +264,11 @@ class FailureConfig:
     the newest checkpoint before the ``N`` steps that end at the first step whose loss was not finite, skips
     those steps' batches (as ``training.skip_steps``) and trains on. Each rollback counts against
     ``max_failures`` (docs/failures.md)."""
+    replica_check_steps: int = 100
+    """Every this many steps, and at every checkpoint before it is written, the ranks compare a digest of
+    their parameters (one small all_gather): a rank that computed wrong numbers silently is found, the run
+    rolls back to the newest checkpoint the replicas agreed on and that rank gets a new process
+    (docs/failures.md). ``0``: off."""
     inject: list[FaultSpec] = field(default_factory=list)
     """Faults to inject (see FaultSpec). The env var CLUSTER_INJECT_FAULT=``rank:step:kind`` adds one."""
 

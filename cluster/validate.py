@@ -220,10 +220,8 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
         raise ConfigError(f"checkpoint.keep_last={c.keep_last} must be at least 1 (resuming needs one)")
 
 
-def _validate_failures(f: FailureConfig) -> None:
-    """``failures``, all but its injected faults (checked last, against the number of ranks)."""
-    if f.max_failures < -1:
-        raise ConfigError(f"failures.max_failures={f.max_failures} must be -1 (unlimited) or at least 0")
+def _validate_hang(f: FailureConfig) -> None:
+    """The hang timeout's settings (their bound by the process-group timeout: ``_validate_failures``)."""
     if f.hang_timeout_s is not None and f.hang_timeout_s <= 0:
         raise ConfigError(
             f"failures.hang_timeout_s={f.hang_timeout_s} must be positive, or null for automatic"
@@ -236,6 +234,20 @@ def _validate_failures(f: FailureConfig) -> None:
         )
     if f.hang_timeout_floor_s <= 0:
         raise ConfigError(f"failures.hang_timeout_floor_s={f.hang_timeout_floor_s} must be positive")
+    if f.hang_timeout_min_s < MIN_HANG_TIMEOUT_S:
+        raise ConfigError(
+            f"failures.hang_timeout_min_s={f.hang_timeout_min_s:g} is shorter than the driver's heartbeat "
+            f"can measure: use at least {MIN_HANG_TIMEOUT_S:g}"
+        )
+    if f.hang_warmup_steps < 0:
+        raise ConfigError(f"failures.hang_warmup_steps={f.hang_warmup_steps} must be 0 or more")
+
+
+def _validate_failures(f: FailureConfig) -> None:
+    """``failures``, all but its injected faults (checked last, against the number of ranks)."""
+    if f.max_failures < -1:
+        raise ConfigError(f"failures.max_failures={f.max_failures} must be -1 (unlimited) or at least 0")
+    _validate_hang(f)
     if f.backoff_s < 0 or f.backoff_max_s < f.backoff_s:
         raise ConfigError(
             f"failures.backoff_s={f.backoff_s} must be >= 0 and at most "
@@ -245,6 +257,11 @@ def _validate_failures(f: FailureConfig) -> None:
         raise ConfigError(
             f"failures.slow_rank_ratio={f.slow_rank_ratio} must be above 1 (e.g. 1.5: a rank 50% slower than "
             "the others' median), or null to turn the check off"
+        )
+    if f.quarantine_after < 0:
+        raise ConfigError(
+            f"failures.quarantine_after={f.quarantine_after} must be 0 (never quarantine a node) or the "
+            "number of incidents on one node that keep it out of the run"
         )
     if f.process_group_timeout_s <= 0:
         raise ConfigError(f"failures.process_group_timeout_s={f.process_group_timeout_s} must be positive")
@@ -267,6 +284,11 @@ def _validate_failures(f: FailureConfig) -> None:
         raise ConfigError(
             f"failures.nan_skip_steps={f.nan_skip_steps} rolls back on a NaN loss, but failures.stop_on_nan="
             "false trains on regardless (and commits checkpoints of NaN weights); set one of the two"
+        )
+    if f.replica_check_steps < 0:
+        raise ConfigError(
+            f"failures.replica_check_steps={f.replica_check_steps} must be 0 (no replica checks) or the "
+            "number of steps between two checks of the ranks' parameters"
         )
     if f.preemption_margin_s < 0:
         raise ConfigError(

@@ -81,6 +81,8 @@ class RayWorkerGroup:
         self.actors: list[Any] = []
         self.nodes: list[tuple[str, str]] = []
         """rank -> (Ray node id, ip) it runs on."""
+        self.pids: list[int] = []
+        """rank -> its process id (on its node), once set up: a hung rank is ended by it."""
         self.world_size = 0
         self.pending: list[Any] = []
         """rank -> its call of the running (or last) epoch."""
@@ -98,6 +100,13 @@ class RayWorkerGroup:
     def reserve(self, sizes: list[int], wait_s: float, cancelled: Callable[[], bool] | None = None) -> int:
         """``Placement.reserve``: bundles for ``sizes[0]`` workers, or the largest smaller size granted."""
         return self.placement.reserve(sizes, wait_s, cancelled)
+
+    def keep_off(self, nodes: list[str]) -> None:
+        """Quarantined ``nodes`` (``cluster.quarantine``): no new bundle goes there, a salvage re-places the
+        ranks still there, and a hot spare there is stopped now (it would take a dead rank's place there)."""
+        self.placement.avoid = list(nodes)
+        if self.spare.actor is not None and self.spare.node in nodes:
+            self.spare.kill()
 
     # --------------------------------------------------------------- lifecycle
     def start(
@@ -138,6 +147,7 @@ class RayWorkerGroup:
         )
         for info, (node_id, _) in zip(infos, self.nodes):
             info.node_id = node_id
+        self.pids = [info.pid for info in infos]
         if not spare_early:  # hot_spare=true shares the ranks' CPUs: it prepares after their setup
             self._start_spare(cls)
         return infos
@@ -343,7 +353,7 @@ class RayWorkerGroup:
         ``keep_state``; the replacements ``prepare_move`` made take the leaving ranks (same numbers). With
         no ready move the remaining ranks are renumbered 0..K-1 (the group continues smaller, from a
         checkpoint). All of them or none."""
-        return salvage_.salvage(self, attempt, failure, leaving, keep_state)
+        return self.placement.relocate(salvage_.salvage(self, attempt, failure, leaving, keep_state))
 
     def adopt(self, salvage: Salvage) -> None:
         res: Resources = salvage.resources

@@ -4,10 +4,12 @@ nodes that hold its ranks."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 from ray.util.placement_group import (
@@ -19,9 +21,9 @@ from ray.util.placement_group import (
 
 from cluster.config import JobConfig
 from cluster.errors import ResourcesUnavailableError
-from cluster.group import StartCancelled
+from cluster.group import Salvage, StartCancelled
 from cluster.preemption import DrainNotice, draining_nodes
-from cluster.worker_group.calls import short
+from cluster.worker_group.calls import kill, short
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,8 @@ class Placement:
         """rank -> (placement group, bundle index) it runs in: ``(self.pg, rank)`` unless the rank moved."""
         self.extra_pgs: list[PlacementGroup] = []
         """Placement groups of ranks that moved off a draining node (see ``RayWorkerGroup.prepare_move``)."""
+        self.avoid: list[str] = []
+        """Quarantined nodes (``cluster.quarantine``): no bundle of this group is placed there."""
 
     def bundle(self) -> dict[str, float]:
         """The resources of one rank."""
@@ -73,8 +77,9 @@ class Placement:
         """Whether the cluster has free resources for ``n`` more ranks now (draining nodes not counted)."""
         avail = ray.available_resources()
         drains = draining_nodes() if self.cfg.failures.preemption else {}
-        for node in ray.nodes() if drains else []:
-            if node["NodeID"] in drains:  # free there, but Ray places nothing new on a draining node
+        for node in ray.nodes() if drains or self.avoid else []:
+            # free there, but Ray places nothing new on a draining node, nor this job on a quarantined one
+            if node["NodeID"] in drains or node["NodeID"] in self.avoid:
                 for k, v in node.get("Resources", {}).items():
                     avail[k] = avail.get(k, 0.0) - v
         return all(avail.get(k, 0) >= v * n - 1e-9 for k, v in self.bundle().items())
@@ -87,7 +92,7 @@ class Placement:
         if self.slots and len(self.slots) in sizes:
             return len(self.slots)  # adopted from the previous attempt (warm restart): already reserved
         for i, n in enumerate(sizes):
-            pg = placement_group([self.bundle()] * n, strategy=strategy)
+            pg = self.request(n)
             if _granted(pg, wait_s if i == 0 else 2.0, cancelled):
                 self.pg = pg
                 self.slots = {r: (pg, r) for r in range(n)}
@@ -98,17 +103,70 @@ class Placement:
             f"the cluster did not provide {sizes[0]} workers of {{{need}}} "
             f"(nor the minimum {sizes[-1]}) within "
             f"scaling.resource_wait_s={wait_s:g}s with strategy {strategy}; the cluster has "
-            f"{_fmt(ray.cluster_resources())}, free {_fmt(ray.available_resources())}. Add nodes, lower "
-            "scaling.num_workers / scaling.min_workers, or raise scaling.resource_wait_s"
+            f"{_fmt(ray.cluster_resources())}, free {_fmt(ray.available_resources())}{self._kept_out()}. "
+            "Add nodes, lower scaling.num_workers / scaling.min_workers, or raise scaling.resource_wait_s"
+        )
+
+    def _kept_out(self) -> str:
+        if not self.avoid:
+            return ""
+        return (
+            f"; quarantined node(s) {', '.join(n[:12] for n in self.avoid)} are kept out "
+            "(failures.quarantine_after; python -m cluster unquarantine RUN NODE releases one)"
         )
 
     def request(self, n: int, avoid: list[str] | None = None) -> PlacementGroup:
-        """A new placement group of ``n`` bundles, none on the nodes in ``avoid`` (nor, Ray's rule, on a
-        draining node); not waited for."""
+        """A new placement group of ``n`` bundles, none on the nodes in ``avoid`` nor on a quarantined node
+        (nor, Ray's rule, on a draining node); not waited for."""
+        nodes = sorted({*(avoid or []), *self.avoid})
         return placement_group(
             [self.bundle()] * n,
             strategy=self.cfg.scaling.placement_strategy,
-            bundle_label_selector=avoid_selector(avoid, n) if avoid else None,
+            bundle_label_selector=avoid_selector(nodes, n) if nodes else None,
+        )
+
+    def relocate(self, salvage: Salvage | None) -> Salvage | None:
+        """A salvage whose ranks run off the quarantined nodes: a kept worker on one is killed, and every
+        rank whose bundle is on one gets a bundle elsewhere (a placement group of their own, waited for up to
+        ``scaling.resource_wait_s``). None, everything killed and given back, when there is no such room or
+        no worker is left: the next group then starts anew, smaller if ``scaling.min_workers`` allows."""
+        if salvage is None or not self.avoid:
+            return salvage
+        res: Resources = salvage.resources
+        tables = {
+            pg.id: placement_group_table(pg).get("bundles_to_node_id", {}) for pg, _ in res.slots.values()
+        }
+        moving = sorted(r for r, (pg, i) in res.slots.items() if str(tables[pg.id].get(i, "")) in self.avoid)
+        if not moving:
+            return salvage
+        for r in moving:
+            if r in salvage.actors:
+                kill(salvage.actors[r], f"rank {r} (on a quarantined node)")
+        actors = {r: a for r, a in salvage.actors.items() if r not in moving}
+        pg = self.request(len(moving))
+        wait_s = self.cfg.scaling.resource_wait_s
+        if not actors or not _granted(pg, wait_s, None):
+            if actors:
+                logger.warning(
+                    "no room off the quarantined node(s) for ranks %s within scaling.resource_wait_s=%gs: "
+                    "the survivors are not kept, the group starts anew",
+                    moving,
+                    wait_s,
+                )
+            for r, actor in actors.items():
+                kill(actor, f"rank {r}")
+            self.adopt(dataclasses.replace(res, extra_pgs=[*res.extra_pgs, pg]))
+            self.remove()
+            return None
+        slots = {**res.slots, **{r: (pg, i) for i, r in enumerate(moving)}}
+        peers: Any = salvage.peers
+        if peers is not None:
+            peers = {r: p for r, p in peers.items() if r not in moving}
+        return dataclasses.replace(
+            salvage,
+            resources=Resources(res.pg, slots, [*res.extra_pgs, pg]),
+            actors=actors,
+            peers=peers,
         )
 
     def hand_over(self, slots: dict[int, Slot]) -> Resources:
