@@ -39,6 +39,7 @@ from cluster.storage import Storage
 if TYPE_CHECKING:
     from cluster.group import WorkerGroup
     from cluster.record import RunRecord
+    from cluster.stacks import ThreadStack
 
 logger = logging.getLogger(__name__)
 
@@ -225,13 +226,15 @@ def dump_stacks(
     attempt: int,
     hosts: list[str],
     request: str | None = None,
-) -> None:
+) -> dict[int, list[ThreadStack] | None] | None:
     """Every rank's thread stacks to ``diagnostics/`` (the full report), a ``stacks`` event (where each
-    group of ranks stands) and console lines. Never raises: it serves a diagnosis, and must not stand in
-    the way of the recovery that follows a hang."""
+    group of ranks stands) and console lines; returns them (rank -> threads, None: no answer), or None when
+    they could not be taken. Never raises: it serves a diagnosis, and must not stand in the way of the
+    recovery that follows a hang."""
     from cluster import stacks as stack_dump
 
     storage = record.storage
+    stacks: dict[int, list[ThreadStack] | None] | None = None
     try:
         raw = group.stacks(STACKS_TIMEOUT_S)
         stacks = {r: stack_dump.from_wire(x) if x is not None else None for r, x in enumerate(raw)}
@@ -252,6 +255,7 @@ def dump_stacks(
         )
     except Exception as exc:  # a diagnosis that fails is logged; the run goes on
         logger.warning("could not take the ranks' stacks: %s: %s", type(exc).__name__, exc)
+    return stacks
 
 
 def start_profile(

@@ -370,7 +370,8 @@ class Driver:
         self._spare_announced = False
         self.moves.new_group(infos)
         c = self.cfg.checkpoint
-        self._hang_stats = HangStats(r.global_step, c.every_steps > 0 or c.every_epochs > 0)
+        warmup = self.cfg.failures.hang_warmup_steps
+        self._hang_stats = HangStats(r.global_step, warmup, c.every_steps > 0 or c.every_epochs > 0)
         self.record.eval_total = head.eval_batches
         if s.recovery is not None:
             s.recovery.group_started(t_reserved, t_ready, infos, r.global_step)

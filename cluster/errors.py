@@ -7,7 +7,10 @@ message a worker raised.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from cluster.hang import HangVerdict
 
 
 class ClusterError(Exception):
@@ -91,7 +94,9 @@ class TrainingFailedError(ClusterError):
     """The job gave up: failure budget exhausted or a deterministic bug. Checkpoints are left intact."""
 
 
-FailureKind = Literal["worker_died", "node_lost", "hang", "user_error", "start_failed", "storage"]
+FailureKind = Literal[
+    "worker_died", "node_lost", "hang", "user_error", "start_failed", "storage", "replica_mismatch"
+]
 
 
 @dataclass
@@ -102,6 +107,8 @@ class Failure:
     rank: int | None
     message: str
     error: WorkerError | None = None
+    hang: HangVerdict | None = None
+    """A hang's suspect as the ranks' stacks tell it (``cluster.hang``); None for other failures."""
 
 
 def device_broken(error: WorkerError | None) -> bool:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from cluster.config import FailureConfig
 from cluster.errors import Failure, WorkerError
@@ -81,32 +83,114 @@ def _setup_reason(e: WorkerError) -> str:
     )
 
 
+AUTO_HANG_FACTOR = 10
+"""The automatic hang timeout is this many times the slowest step seen (and 3x the longest checkpoint
+stall)."""
+
+
+@dataclass
+class HangStats:
+    """What one group's heartbeats showed so far (kept across its epochs): the statistics the automatic
+    hang timeout is set from, and whether the group is warm."""
+
+    start_step: int
+    """The step the group started at."""
+    warmup_steps: int = 100
+    """``failures.hang_warmup_steps``."""
+    checkpoint_expected: bool = True
+    """Checkpoints are configured: the warm-up lasts until one was seen (its stall is then known)."""
+    max_step: int = 0
+    max_step_time: float = 0.0
+    """The slowest step any rank reported since it started (warm-up included: first steps, compilation)."""
+    warm_step_time: float = 0.0
+    """The slowest step seen after the warm-up steps: the largest median of a heartbeat's steps on any
+    rank (``Heartbeat.pace``) and the largest ``step_time_s`` of rank 0's step rows."""
+    max_stall: float = 0.0
+    """The longest checkpoint stall rank 0 reported (``checkpoint_stall_s`` of its step rows)."""
+    checkpoints: int = 0
+
+    def trained(self) -> bool:
+        """Whether the group trained its warm-up steps."""
+        return self.max_step - self.start_step >= self.warmup_steps
+
+    def warm(self) -> bool:
+        """Whether the group trained its warm-up steps and, with checkpoints configured, took one."""
+        return self.trained() and (self.checkpoints > 0 or not self.checkpoint_expected)
+
+    def beat(self, beat: Heartbeat) -> None:
+        self.max_step = max(self.max_step, beat.global_step)
+        self.max_step_time = max(self.max_step_time, beat.max_step_time_s)
+        if beat.pace is not None and self.trained():
+            self.warm_step_time = max(self.warm_step_time, beat.pace.step_s)
+        if beat.rows:
+            self.rows(beat.rows)
+
+    def rows(self, rows: list[dict[str, Any]]) -> None:
+        """Rank 0's step rows (streamed with its heartbeats, or with an epoch's result)."""
+        for row in rows:
+            stall = float(row.get("checkpoint_stall_s") or 0.0)
+            if stall > 0:
+                self.checkpoints += 1
+                self.max_stall = max(self.max_stall, stall)
+            if int(row.get("global_step") or 0) - self.start_step > self.warmup_steps:
+                self.warm_step_time = max(self.warm_step_time, float(row.get("step_time_s") or 0.0))
+
+
 class HangWatch:
     """Tracks each rank's step; a rank whose step stops advancing past the hang timeout is hung. An
-    evaluation's batches count as progress too (``Heartbeat.eval_batches``): a long evaluation is no hang."""
+    evaluation's batches count as progress too (``Heartbeat.eval_batches``): a long evaluation is no hang.
 
-    def __init__(self, cfg: FailureConfig, start_step: int) -> None:
+    The automatic timeout (``failures.hang_timeout_s`` null): until the group is warm (``HangStats.warm``:
+    ``failures.hang_warmup_steps`` steps and a checkpoint), at least ``failures.hang_timeout_floor_s`` and
+    10x the slowest step it took; then at least ``failures.hang_timeout_min_s`` and 10x the slowest step
+    since its warm-up; always 3x the longest checkpoint stall seen, at most 0.9x the process-group timeout.
+    ``clock``: seconds, monotonic (tests inject one)."""
+
+    def __init__(
+        self,
+        cfg: FailureConfig,
+        start_step: int,
+        stats: HangStats | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.cfg = cfg
-        self.max_step = start_step
-        self.max_step_time = 0.0
+        self.stats = stats if stats is not None else HangStats(start_step, cfg.hang_warmup_steps)
+        self.stats.max_step = max(self.stats.max_step, start_step)
+        self._clock = clock
         self._last: dict[int, tuple[int, float]] = {}
         self._evals: dict[int, int] = {}  # each rank's eval batches at its last progress
-        self._t0 = time.monotonic()
+        self._t0 = clock()
+
+    @property
+    def max_step(self) -> int:
+        return self.stats.max_step
+
+    @property
+    def max_step_time(self) -> float:
+        return self.stats.max_step_time
+
+    def steps(self) -> dict[int, int]:
+        """rank -> the global step it last reported (the ranks that ever answered)."""
+        return {r: s for r, (s, _) in self._last.items()}
 
     def timeout(self) -> float:
         if self.cfg.hang_timeout_s is not None:
             return self.cfg.hang_timeout_s
+        st, f = self.stats, self.cfg
+        if st.warm():
+            least, step_s = min(f.hang_timeout_min_s, f.hang_timeout_floor_s), st.warm_step_time
+        else:
+            least, step_s = f.hang_timeout_floor_s, st.max_step_time
+        auto = max(least, AUTO_HANG_FACTOR * step_s, 3 * st.max_stall)
         # below the process-group timeout, so that a stuck collective is seen as a hang before it errors
-        auto = max(self.cfg.hang_timeout_floor_s, 10 * self.max_step_time)
         return min(auto, 0.9 * self.cfg.process_group_timeout_s)
 
     def update(self, beats: list[Heartbeat | None]) -> tuple[int, str] | None:
-        now = time.monotonic()
+        now = self._clock()
         for rank, beat in enumerate(beats):
             if beat is None:
                 continue
-            self.max_step = max(self.max_step, beat.global_step)
-            self.max_step_time = max(self.max_step_time, beat.max_step_time_s)
+            self.stats.beat(beat)
             prev = self._last.get(rank)
             evals = beat.eval_batches
             moved = prev is None or beat.global_step != prev[0] or evals != self._evals.get(rank)
@@ -124,9 +208,19 @@ class HangWatch:
                 lowest = min(self._last.items(), key=lambda kv: kv[1][0])[0]
                 return lowest, (
                     f"no progress for {age:.0f}s (hang timeout {limit:.0f}s); ranks stuck at step "
-                    f"{ {r: s for r, (s, _) in sorted(self._last.items())} }, lowest rank {lowest}"
+                    f"{_steps_text(self._last)}, lowest rank {lowest}"
                 )
         return None
+
+
+def _steps_text(last: dict[int, tuple[int, float]]) -> str:
+    """Each step the ranks stand at, with the ranks there (short at any number of ranks)."""
+    from cluster.stacks import ranges
+
+    by: dict[int, list[int]] = {}
+    for rank, (step, _) in sorted(last.items()):
+        by.setdefault(step, []).append(rank)
+    return ", ".join(f"{step} (ranks {ranges(ranks)})" for step, ranks in sorted(by.items()))
 
 
 SLOW_ROUNDS = 3

@@ -43,8 +43,13 @@ def peer_plan(
     if diverged(failure):
         timing.fallback = "a loss that was not finite: no rank's weights can be trusted; rolling back"
         return None
-    if failure.kind == "hang":
-        timing.fallback = "a hang: the hung rank's memory is not trusted"
+    if failure.kind == "replica_mismatch":  # the differing rank's gradients reached every rank's weights
+        timing.fallback = "the replicas disagreed: back to the newest checkpoint they agreed on"
+        return None
+    hung_alone = failure.kind == "hang" and failure.hang is not None and failure.hang.keep_survivors
+    if failure.kind == "hang" and not hung_alone:
+        why = failure.hang.how if failure.hang is not None else "its stacks were not taken"
+        timing.fallback = f"a hang with no suspect told apart ({why}): no rank's memory is trusted"
     elif salvage is None or salvage.peers is None:
         timing.fallback = (
             "a node was lost and no survivor could be kept (no room for its ranks within "

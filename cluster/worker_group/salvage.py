@@ -15,12 +15,14 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from cluster import replica
 from cluster.errors import Failure, device_broken
 from cluster.group import EpochResult, Heartbeat, Salvage
 from cluster.peer import PeerState
 from cluster.worker_group.calls import kill, short
 from cluster.worker_group.classify import node_dead, rank_errors
 from cluster.worker_group.placement import Slot
+from cluster.worker_group.suspect import end_process
 
 if TYPE_CHECKING:
     from cluster.worker_group.group import RayWorkerGroup
@@ -34,7 +36,7 @@ their state) before they are killed; while they keep coming out, up to ``RELEASE
 RELEASE_MAX_S = 40.0
 """The longest the survivors of one failure are waited for, however steadily they come out."""
 
-_WARM_KINDS = ("worker_died", "user_error", "node_lost")
+_WARM_KINDS = ("worker_died", "user_error", "node_lost", "replica_mismatch")
 """The failures after which survivors are kept (the others start a new group from scratch)."""
 
 
@@ -149,7 +151,7 @@ def _after_failure(g: RayWorkerGroup, failure: Failure) -> _Plan | None:
     missing rank's place. None when no warm restart is due."""
     t0 = time.perf_counter()
     fcfg = g.cfg.failures
-    if not fcfg.warm_restart or failure.kind not in _WARM_KINDS:
+    if not fcfg.warm_restart or (failure.kind not in _WARM_KINDS and not hung_alone(failure)):
         return None
     if not g.placement.slots or not g.pending:
         return None
@@ -195,7 +197,19 @@ def _dead(g: RayWorkerGroup, failure: Failure) -> tuple[set[int], set[str]]:
         failure.kind == "worker_died" or (g.cfg.scaling.use_gpu and device_broken(failure.error))
     ):
         dead.add(failure.rank)  # a CUDA error may be sticky (a device-side assert): that process goes
+    dead |= replica.suspect_ranks(failure)  # ranks whose parameters differed: never reused
+    if hung_alone(failure) and failure.rank is not None:
+        # SIGKILL by pid: a stopped process answers no actor call, but its sockets close at once, which
+        # fails the collective its peers wait in
+        dead.add(failure.rank)
+        if failure.rank < len(g.pids):
+            end_process(g.nodes[failure.rank][0], g.pids[failure.rank])
     return dead, lost_nodes
+
+
+def hung_alone(failure: Failure) -> bool:
+    """A hang whose suspect the stacks told apart (``cluster.hang``): only that rank is replaced."""
+    return failure.kind == "hang" and failure.hang is not None and failure.hang.keep_survivors
 
 
 def _released(g: RayWorkerGroup, dead: set[int]) -> list[int]:
