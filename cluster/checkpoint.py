@@ -340,16 +340,23 @@ class CheckpointStore:
         self.storage.rm(d, recursive=True)
         self._trusted.pop(step, None)
 
-    def discard_after(self, step: int, keep_best: bool = True, keep_every: int = 0) -> builtins.list[int]:
+    def discard_after(
+        self,
+        step: int,
+        keep_best: bool = True,
+        keep_every: int = 0,
+        may_keep: Callable[[CheckpointInfo], bool] | None = None,
+    ) -> builtins.list[int]:
         """Take every checkpoint newer than ``step`` off the run's path: after a rollback or a rewind they
         belong to a path the run no longer takes, and no later recovery may resume from them. Nothing at
         or before ``step`` is touched (so the newest verified checkpoint there stays).
 
         The best-scored one (``keep_best``) and the milestones (steps that are multiples of a positive
         ``keep_every``) among them are moved to ``checkpoints/discarded/`` (``self.last_set_aside``)
-        instead of being deleted, unless ``keep_best=False`` / ``keep_every=0``; the others are deleted,
-        newest first (manifest first, then files), so a crash part way leaves a run as if discarded after
-        a later step. Returns every step taken off the path, ascending.
+        instead of being deleted, unless ``keep_best=False`` / ``keep_every=0`` or ``may_keep`` refuses them
+        (a replica rollback keeps only those whose replicas agreed: ``cluster.replica``); the others are
+        deleted, newest first (manifest first, then files), so a crash part way leaves a run as if
+        discarded after a later step. Returns every step taken off the path, ascending.
         """
         newer = [s for s in self.steps_on_storage() if s > step]
         infos = [i for i in self.list() if i.step > step] if newer else []
@@ -357,6 +364,8 @@ class CheckpointStore:
         aside = {i.step for i in infos if keep_every > 0 and i.step % keep_every == 0}
         if best is not None and best.step > step:
             aside.add(best.step)
+        if may_keep is not None:
+            aside = {i.step for i in infos if i.step in aside and may_keep(i)}
         self.last_set_aside = []
         for s in reversed(newer):
             if s in aside:

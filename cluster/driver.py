@@ -746,7 +746,9 @@ class Driver:
         if failure.kind == "replica_mismatch":  # no checkpoint after the last agreeing check is used again
             fence = self.lease.check if self.lease is not None else None
             hosts, nodes = self.moves.rank_hosts, self.moves.rank_nodes
-            replica.after_mismatch(failure, self.storage, fence, self.cfg, self.record.event, hosts, nodes)
+            replica.after_mismatch(
+                failure, self.storage, fence, self.cfg, self.record.event, hosts, nodes, self.quarantine
+            )
         plan = peer_plan(self.cfg, failure, salvage, timing) if decision.restart else None
         window = rollback_window(self.cfg, failure) if decision.restart else None
         if window is not None:

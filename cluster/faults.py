@@ -21,6 +21,7 @@ from torch import nn
 
 from cluster.checkpoint import CheckpointStore, step_dir
 from cluster.config import FaultSpec, JobConfig, parse_fault_env
+from cluster.replica import flip_bit
 from cluster.storage import Storage
 
 SLOW_FAULT_S = 0.05
@@ -46,9 +47,10 @@ class Faults:
         return any(f.kind == kind and f.step == step for f in self.specs)
 
     def before_step(self, step: int, model: nn.Module) -> None:
-        """At the start of step ``step`` (its time counted): crash, hang or raise before it, sleep in it
-        (``slow``), or arm a crash in its backward (``crash_in_backward``: the first parameter's gradient
-        comes last in backward, when the other ranks are in the all-reduce)."""
+        """At the start of step ``step`` (its time counted): crash, hang or raise before it, flip a bit of
+        the first parameter (``flip_bit``), sleep in it (``slow``), or arm a crash in its backward
+        (``crash_in_backward``: the first parameter's gradient comes last in backward, when the other ranks
+        are in the all-reduce)."""
         if not self.specs:
             return
         for fault in self.specs:
@@ -61,6 +63,8 @@ class Faults:
                     time.sleep(3600)
             elif fault.kind == "raise":
                 raise RuntimeError(f"injected fault on rank {self.rank} at step {step}")
+            elif fault.kind == "flip_bit":  # a silent error: nothing raises, the replicas differ
+                flip_bit(next(model.parameters()))
         if self._from("slow", step):
             time.sleep(SLOW_FAULT_S)
         if self._at("crash_in_backward", step):

@@ -10,6 +10,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
+from cluster import replica
 from cluster.errors import Failure, WorkerError
 from cluster.worker_group.calls import short
 
@@ -26,7 +27,8 @@ def classify(
     peer) that a death causes on the survivors; a death whose node is gone is a lost node. With
     ``starting``, an error that did not come from Ray (a timeout waiting for the ranks, a refused GPU
     assignment) is ``start_failed``. An exception a rank raised in set-up is a ``user_error`` of that rank
-    (:func:`setup_failure`).
+    (:func:`setup_failure`); ranks whose parameters disagree (``cluster.replica``) are a
+    ``replica_mismatch``.
     """
     if starting and not isinstance(exc, RayError):
         return Failure("start_failed", None, f"{type(exc).__name__}: {exc}")
@@ -50,7 +52,8 @@ def classify(
     if user:
         rank, err = min(user.items(), key=lambda kv: (_collateral(_describe(kv[1])), kv[0]))
         cause = err.cause if isinstance(err.cause, WorkerError) else None
-        return Failure("user_error", rank, str(cause) if cause else short(err), cause)
+        mismatch = replica.failure_of(cause) if cause is not None else None
+        return mismatch or Failure("user_error", rank, str(cause) if cause else short(err), cause)
     return Failure("worker_died", None, short(exc))
 
 

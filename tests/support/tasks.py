@@ -3,6 +3,7 @@ processes import them too:
 
 - ``AuditTask`` records which sample ids each rank trained at each step; ``audit`` checks them (exactly once).
 - ``SlowCharLM``: the example char-LM with a sleep per step (numerics untouched), so faults land mid-epoch.
+- ``FlipsOwnBit``: ``SlowCharLM`` that corrupts one bit of its own weights on one rank (silent corruption).
 - ``Broken`` breaks the Task contract in one way each (``task_args.mode``), for the dry run's tests.
 - ``RaisesIn`` raises in one set-up method (``task_args.method``), on every rank or some.
 - ``MapStyleTask`` trains on a plain map-style dataset (collated batches, no ``get_batch``).
@@ -128,6 +129,26 @@ class SlowCharLM(Task):
 
         time.sleep(float(self.args.get("step_sleep_s", 0.05)))
         return self.inner.compute_loss(model, batch)
+
+
+class FlipsOwnBit(SlowCharLM):
+    """``SlowCharLM`` whose ``compute_loss`` flips one bit of its model's first parameter on rank
+    ``flip_rank`` at step ``flip_step`` of the first attempt, as a silent error of that rank's hardware would
+    (nothing in the product is told). task_args: flip_rank (1), flip_step (required), and SlowCharLM's."""
+
+    def __init__(self, **args: Any) -> None:
+        self.flip_rank = int(args.pop("flip_rank", 1))
+        self.flip_step = int(args.pop("flip_step"))
+        super().__init__(**args)
+
+    def compute_loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        at = self.current
+        if at is not None and (at.rank, at.global_step, at.attempt) == (self.flip_rank, self.flip_step, 0):
+            from cluster.replica import flip_bit
+
+            flip_bit(next(model.parameters()))
+            self.flip_step = -1  # once (gradient accumulation calls this again in the same step)
+        return super().compute_loss(model, batch)
 
 
 class Unpicklable(TensorBatchDataset):
