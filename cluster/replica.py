@@ -212,8 +212,9 @@ class ReplicaGuard:
 
     def _launch(self, step: int) -> None:
         mine = digest(self._params)
-        gathered = torch.empty((self._world, mine.numel()), dtype=mine.dtype, device=mine.device)
-        dist.all_gather_single(gathered, mine)
+        flat = torch.empty(self._world * mine.numel(), dtype=mine.dtype, device=mine.device)
+        dist.all_gather_single(flat, mine)  # (gloo takes only the concatenated form)
+        gathered = flat.view(self._world, mine.numel())
         pending = _Pending(step, gathered)
         if gathered.is_cuda:  # read later without waiting for the steps queued after it
             pending.host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
