@@ -121,7 +121,7 @@ class RunRecord:
         """The account as it stands (a ``goodput`` event; the run's end writes it with ``ended``)."""
         self.ledger.close()
         snap = self.ledger.snapshot(ended=ended)
-        self.event("goodput", **snap)
+        self.event("goodput", global_step=self.ledger.step, **snap)
 
     def _submit(self) -> int:
         """``submissions/NNNNNN.json``: each submission's config (redacted as in run.json), in order."""
@@ -270,7 +270,9 @@ class RunRecord:
         that window of them."""
         live = [b for b in beats if b is not None]
         if live:
-            self.ledger.progressed(max(b.global_step for b in live), max(b.last_step_at for b in live))
+            firsts = [b.first_step_at for b in live if b.first_step_at is not None]
+            step, at = max(b.global_step for b in live), max(b.last_step_at for b in live)
+            self.ledger.progressed(step, at, min(firsts, default=None))
         for b in beats:
             if b is not None and b.rows:
                 rows = self.arrived(b.rows)
@@ -524,6 +526,7 @@ class RunRecord:
     # ------------------------------------------------------------------ failures and recovery
     def failure(self, failure: Failure, attempt: int, step: int | None) -> None:
         self.ledger.failed()
+        hang = failure.hang  # a hang: its suspect, as the ranks' stacks tell it (``cluster.hang``)
         self.event(
             "failure",
             kind=failure.kind,
@@ -531,6 +534,9 @@ class RunRecord:
             attempt=attempt,
             message=failure.message[-4000:],
             step=step,
+            suspect=hang.suspect if hang is not None else None,
+            told_by=hang.how if hang is not None else None,
+            survivors_kept=hang.keep_survivors if hang is not None else None,
         )
 
     def decision(self, decision: Decision, plan: PeerPlan | None, fallback: str) -> None:
