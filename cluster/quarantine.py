@@ -156,9 +156,12 @@ class Quarantine:
 
     def failure(self, failure: Failure, step: int, nodes: Sequence[str], hosts: Sequence[str] = ()) -> bool:
         """A failure of a running group (``nodes``/``hosts``: its ranks'): an incident of its rank's node
-        when it is a death, a lost node or a hang (:data:`_FAILURE_KINDS`); True when that quarantines it."""
+        when it is a death, a lost node or a hang whose suspect is known (:data:`_FAILURE_KINDS`); True
+        when that quarantines it. A replica mismatch is counted by the replica guard (:meth:`ranks`)."""
         if failure.kind not in _FAILURE_KINDS or failure.rank is None:
             return False
+        if failure.hang is not None and failure.hang.suspect is None:
+            return False  # no rank was told apart as the one that hangs: no node to blame
         return bool(self.ranks(failure.kind, [failure.rank], step, nodes, hosts))
 
     # ------------------------------------------------------------------ release

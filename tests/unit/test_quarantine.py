@@ -16,6 +16,7 @@ from cluster.config import load_config
 from cluster.driver import Driver
 from cluster.errors import ConfigError, Failure, FencedError
 from cluster.group import SetupInfo
+from cluster.hang import HangVerdict
 from cluster.quarantine import QUARANTINE_FILE, Quarantine, read, show_lines, unquarantine
 from cluster.storage import Storage
 from tests.support.fakes import ScriptedGroup, kinds
@@ -77,6 +78,11 @@ def test_which_failures_count_and_several_ranks_on_one_node_are_one_incident() -
     assert len(q.records["n1"].incidents) == 2 and len(q.records["n0"].incidents) == 1
     assert q.records["n1"].host == "h1"
     assert q.ranks("hang", [3], 8, nodes) == ["n1"]
+    unjudged = Failure("hang", 0, "no rank stands out", hang=HangVerdict(None, "every rank waits"))
+    assert not q.failure(unjudged, 9, nodes, hosts) and "n0" in q.records
+    assert len(q.records["n0"].incidents) == 1  # a hang with no suspect blames no node
+    q.failure(Failure("hang", 0, "rank 0 hangs", hang=HangVerdict(0, "outside a collective")), 9, nodes)
+    assert [i.kind for i in q.records["n0"].incidents] == ["replica_mismatch", "hang"]
 
 
 def test_a_writer_that_was_taken_over_writes_nothing() -> None:
@@ -186,3 +192,22 @@ def test_the_driver_keeps_the_group_off_a_node_after_two_deaths_there_and_so_doe
     resubmitted = _driver(dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, epochs=3)), {})
     assert resubmitted.run().status == "finished"
     assert OnNodes.kept_off == [(0, ["node-1"])]  # its first group already keeps off the node
+
+
+def test_the_cli_releases_a_node_or_says_which_nodes_it_could_mean(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cluster.__main__ import main
+
+    run = Storage(f"{tmp_path}/run")
+    run.write_bytes("run.json", b"{}")
+    q = Quarantine(run, 1)
+    q.incident("beef01" + "0" * 50, "node_lost", 4, host="10.2.0.1")
+    q.incident("beef02" + "0" * 50, "hang", 5, host="10.2.0.2")
+    assert main(["unquarantine", run.root, "beef"]) == 2
+    assert "matches 2 quarantined nodes" in capsys.readouterr().err
+    assert main(["unquarantine", run.root, "10.2.0.9"]) == 2
+    assert "quarantined: beef01000000 (10.2.0.1), beef02000000 (10.2.0.2)" in capsys.readouterr().err
+    assert main(["unquarantine", run.root, "beef02"]) == 0
+    assert "released node beef02000000 (10.2.0.2)" in capsys.readouterr().out
+    assert read(run)["beef01" + "0" * 50].quarantined and not read(run)["beef02" + "0" * 50].quarantined
