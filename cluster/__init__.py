@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from cluster.control import request_stop
     from cluster.driver import Driver
     from cluster.dryrun import DryRunReport, dry_run
+    from cluster.goodput import Goodput, run_goodput
     from cluster.inspect import run_metrics
     from cluster.load import Checkpoint, evaluate_checkpoint, load_checkpoint, load_model
     from cluster.policy import FailurePolicy
@@ -59,6 +60,8 @@ _LAZY = {
     "request_stop": "cluster.control",
     "dry_run": "cluster.dryrun",
     "run_metrics": "cluster.inspect",
+    "run_goodput": "cluster.goodput",
+    "Goodput": "cluster.goodput",
     "submit": "cluster.submit",
     "SubmittedJob": "cluster.submit",
     "DryRunReport": "cluster.dryrun",
@@ -86,6 +89,7 @@ __all__ = [
     "FailurePolicy",
     "FaultSpec",
     "FencedError",
+    "Goodput",
     "JobConfig",
     "LeaseHeldError",
     "ParquetDataset",
@@ -108,6 +112,7 @@ __all__ = [
     "load_model",
     "read_parquet",
     "request_stop",
+    "run_goodput",
     "run_metrics",
     "submit",
     "train",

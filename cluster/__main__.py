@@ -1,7 +1,7 @@
 """Inspect runs in storage (a folder or an fsspec URL: s3://, gs://, abfs://). Needs no Ray.
 
     python -m cluster list ./runs                          # one line per run
-    python -m cluster show ./runs/tiny-cpu                 # config, failures, checkpoints, metrics
+    python -m cluster show ./runs/tiny-cpu                 # status, goodput, failures, checkpoints, metrics
     python -m cluster show s3://bucket/runs gpt-gpu --verify   # also checksum every checkpoint
     python -m cluster plot ./runs/tiny-cpu --out tiny.png  # loss and samples/s vs global step
     python -m cluster eval ./runs/tiny-cpu --step best     # a checkpoint on the run's eval set, here
@@ -102,7 +102,7 @@ def _add_reading(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
     )
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    show = add("show", "one run: config, status, failures and recoveries, checkpoints, latest metrics")
+    show = add("show", "one run: status, goodput, failures and recoveries, checkpoints, metrics, settings")
     show.add_argument("url", help="URL/NAME of a run, or the storage URL when NAME is given")
     show.add_argument("name", nargs="?", help="run name under URL")
     show.add_argument(
@@ -111,6 +111,11 @@ def _add_reading(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
         help="checksum every checkpoint (default: only the latest, the one a resume loads)",
     )
     show.add_argument("--json", action="store_true", help="print JSON instead of text")
+    show.add_argument(
+        "--config",
+        action="store_true",
+        help="list every setting (default: those that differ from the defaults)",
+    )
 
     pl = add("plot", "loss and throughput (samples/s) vs global step, as a PNG")
     pl.add_argument("url", help="URL/NAME of a run, or the storage URL when NAME is given")
@@ -246,7 +251,8 @@ def _list(args: argparse.Namespace, options: dict[str, Any]) -> int:
 
 def _show(args: argparse.Namespace, options: dict[str, Any]) -> int:
     report = inspect.report(inspect.open_run(args.url, args.name, options), verify_all=args.verify)
-    print(json.dumps(asdict(report), indent=1, default=str) if args.json else inspect.format_show(report))
+    text = inspect.format_show(report, all_config=args.config)
+    print(json.dumps(asdict(report), indent=1, default=str) if args.json else text)
     return 0
 
 

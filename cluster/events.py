@@ -580,6 +580,7 @@ KINDS: dict[str, Kind] = _kinds(
         "goodput",
         "the run ends (finished, stopped or failed): its goodput account, just before that event",
         {
+            "global_step": "the step the run ended at",
             "wall_s": "seconds from the first submission's start to the end, across submissions",
             "ettr": "effective training time ratio: productive seconds / wall_s",
             "seconds": "seconds per class (`cluster.goodput.CLASSES`; they add up to wall_s)",

@@ -183,14 +183,19 @@ class Ledger:
         if self.phase == "waiting":
             self.enter("starting", t)
 
-    def progressed(self, step: int, at: float) -> None:
-        """The heartbeats' furthest step and the time of the newest step any rank finished. The first
-        progress of a new group ends its start (or recovery, or move): training runs from there."""
+    def progressed(self, step: int, at: float, first_at: float | None = None) -> None:
+        """The heartbeats' furthest step, the time of the newest step any rank finished and when the group
+        finished its first step. A new group's first step ends its start (or recovery, or move): training
+        runs from there."""
         if step > self.progress[0] or at > self.progress[1]:
             self.progress = (max(step, self.progress[0]), max(at, self.progress[1]))
         if self.phase in ("starting", "recovery", "moves") and step > self.step and at >= self.since:
-            self.enter("running", at)
-            self.run_from = step
+            if first_at is not None and self.since <= first_at <= at:
+                self.enter("running", first_at)
+                self.run_from = self.step + 1
+            else:
+                self.enter("running", at)
+                self.run_from = step
 
     def stall(self, cls: str, seconds: float) -> None:
         """Seconds of a checkpoint stall, an evaluation or an input wait inside the running stretch."""
@@ -334,7 +339,7 @@ def last_state(events: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, flo
     previous driver's last signs of life)."""
     state, last_t, last_step = None, None, None
     for e in events:
-        g = e.get("goodput")
+        g = e if e.get("event") == "goodput" else e.get("goodput")
         if isinstance(g, dict) and isinstance(g.get("state"), dict):
             state = g["state"]
         if isinstance(e.get("time"), int | float):

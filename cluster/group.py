@@ -115,6 +115,8 @@ class Heartbeat:
     """This rank's steps since its previous heartbeat (None when it took none): how long its own part took."""
     eval_batches: int = 0
     """Eval batches this process has evaluated: progress while an evaluation runs and no step does."""
+    first_step_at: float | None = None
+    """When this rank finished its group's first step (None before it): where the group began to train."""
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ here is only how an item becomes a scalar, a text, a tag or a POST. Names: a ste
 ``train/<column>`` (``loss``, ``lr``, ``grad_norm``, ``peak_mem_gib``, ``samples_per_s``, ``step_time_s``,
 ``input_wait_s``, ``checkpoint_stall_s``, ``world_size``, ``attempt`` and every ``m_<name>`` as
 ``train/<name>``), an epoch row's to ``epoch/<column>``, an evaluation's to ``eval/loss``, ``eval/<name>``
-and ``eval/seconds``; the x axis is the global step, so a resumed or recovered run continues one curve.
+and ``eval/seconds``; the goodput account (``cluster.goodput``) at each epoch's end and the run's end to
+``goodput/ettr`` and ``goodput/<class>_s``; the x axis is the global step, so a resumed or recovered run
+continues one curve.
 Failures, decisions and recoveries are text (TensorBoard; the kinds ``cluster.events`` marks
 ``tensorboard``) or tags (MLflow); a notification is ``[run] `` and the event's line (``cluster.events``).
 """
@@ -60,6 +62,18 @@ def scalars(row: dict[str, Any]) -> Iterable[tuple[str, float]]:
             yield f"{prefix}/{key}", float(value)
         elif key.startswith("m_"):
             yield f"{prefix}/{key[2:]}", float(value)
+
+
+def goodput_scalars(record: dict[str, Any]) -> Iterable[tuple[str, float]]:
+    """``goodput/ettr`` and ``goodput/<class>`` (seconds) of an event that carries the goodput account: each
+    ``epoch_end`` (the running total) and the final ``goodput`` event (``cluster.goodput``)."""
+    g = record.get("goodput") if record.get("event") == "epoch_end" else record
+    if record.get("event") not in ("epoch_end", "goodput") or not isinstance(g, dict):
+        return
+    if isinstance(g.get("ettr"), int | float):
+        yield "goodput/ettr", float(g["ettr"])
+    for cls, seconds in (g.get("seconds") or {}).items():
+        yield f"goodput/{cls}_s", float(seconds)
 
 
 def event_step(record: dict[str, Any], default: int) -> int:
@@ -137,6 +151,10 @@ class TensorBoardSink:
                     resume = int(record.get("resume_step") or 0)
                     self._writer(purge_step=resume + 1 if resume else 0)
                     self.step = resume
+                for tag, value in goodput_scalars(record):
+                    self._writer().add_scalar(
+                        tag, value, event_step(record, self.step), walltime=record.get("time")
+                    )
                 if record.get("event") in events.TENSORBOARD:
                     step = event_step(record, self.step)
                     self._writer().add_text(
@@ -277,6 +295,9 @@ class MlflowSink:
                 metrics.extend(Metric(k, v, ts, step) for k, v in scalars(item.data))
             elif item.kind == "event":
                 self._count(item.data)
+                ts = int(float(item.data.get("time") or time.time()) * 1000)
+                step = event_step(item.data, 0)
+                metrics.extend(Metric(k, v, ts, step) for k, v in goodput_scalars(item.data))
             else:
                 finish = item.data
         for i in range(0, len(metrics), 1000):

@@ -119,6 +119,7 @@ class Worker:
         self._connect_marks: dict[str, float] = {}
         self._rows: deque[dict[str, Any]] = deque()  # rank 0's step rows not yet handed to the driver
         self._commit_rows: list[dict[str, Any]] = []  # rank 0's step rows since its last checkpoint
+        self._first_step_at: float | None = None  # this group's first step (heartbeats: the goodput ledger)
         self._kept: TrainSession | None = None  # a survivor's session after its group failed (peer recovery)
         self._task: Task | None = None
         self._dataset: Any = None
@@ -224,6 +225,7 @@ class Worker:
             err = self._setup_error(exc, step)
         else:
             self._commit_rows = []  # rows of an attempt that failed: its commits wrote theirs
+            self._first_step_at = None
             return session
         raise err
 
@@ -517,6 +519,8 @@ class Worker:
         now = time.time()
         if tally.first_step_at is None:
             tally.first_step_at = now
+        if self._first_step_at is None:
+            self._first_step_at = now
         self._max_step_time = max(self._max_step_time, dt)
         self._last_step_at = now
         return loss, metrics, dt, now
@@ -685,6 +689,7 @@ class Worker:
             rows=self._drain_rows(),
             pace=self._pace.take(),
             eval_batches=self._evals.batches,
+            first_step_at=self._first_step_at,
         )
 
     def _drain_rows(self) -> list[dict[str, Any]]:

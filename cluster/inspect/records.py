@@ -3,11 +3,14 @@ ranks, each read from the event log."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.config import JobConfig
 from cluster.control import driver_seen
 from cluster.events import SHOWN
+from cluster.goodput import goodput_of
 from cluster.inspect.runs import (
     CheckpointRow,
     RunSummary,
@@ -65,6 +68,10 @@ class RunReport:
     """The ``eval`` metric rows, one per evaluated step, in step order."""
     driver: dict[str, Any] | None = None
     """What the run's driver last wrote to ``driver.json`` (host, pid, state, step, ``age_s``)."""
+    goodput: dict[str, Any] | None = None
+    """The run's goodput account (``cluster.goodput.Goodput.to_dict``); None for runs from before it."""
+    defaults: dict[str, Any] = field(default_factory=dict)
+    """The default of every config key (flattened), to list only the settings a run changed."""
 
 
 @dataclass(frozen=True)
@@ -246,6 +253,8 @@ def report(storage: Storage, verify_all: bool = False) -> RunReport:
     epochs = [r for r in metric_rows if r["kind"] == "epoch"]
     steps = [r for r in metric_rows if r["kind"] == "step"]
     evaluations = eval_rows(metric_rows)
+    driver = driver_seen(storage)
+    g = goodput_of(events, driver)
     return RunReport(
         summary=summary,
         config=config,
@@ -256,7 +265,9 @@ def report(storage: Storage, verify_all: bool = False) -> RunReport:
         other_events=[e for e in events if e.get("event") in SHOWN],
         checkpoints=rows,
         epochs=epochs,
-        driver=driver_seen(storage),
+        driver=driver,
+        goodput=g.to_dict() if g is not None else None,
+        defaults=flatten(json.loads(json.dumps(JobConfig().to_dict(), default=str))),
         latest_step=steps[-1] if steps else None,
         preemptions=preemption_records(events),
         slow_ranks=slow_rank_records(events),

@@ -11,6 +11,7 @@ from typing import Any
 from cluster import events
 from cluster.events import WATCHED, human_bytes
 from cluster.events import fmt as _fmt
+from cluster.goodput import Goodput
 from cluster.inspect.records import FailureRecord, PreemptionRecord, RunReport, SlowRankRecord, flatten
 from cluster.inspect.runs import (
     RUNNING,
@@ -85,18 +86,33 @@ def _when(t: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- show
-def format_show(r: RunReport) -> str:
+def format_show(r: RunReport, all_config: bool = False) -> str:
+    """What ``show`` prints: status first, then where the time went, what failed, what is kept; the
+    settings last, only those that differ from the defaults unless ``all_config``."""
     out = _summary_section(r)
-    out += _config_section(r)
+    out += _goodput_section(r.goodput)
     out += _failures_section(r.failures)
-    out += _preemptions_section(r.preemptions)
-    out += _events_section(r.other_events)
-    out += _slow_ranks_section(r.slow_ranks)
     out += _checkpoints_section(r.checkpoints)
+    out += _preemptions_section(r.preemptions)
+    out += _slow_ranks_section(r.slow_ranks)
+    out += _events_section(r.other_events)
     out += _metrics_section(r)
     if r.evaluations:
         out += ["", *format_evaluations(r.evaluations)]
+    out += _config_section(r, all_config)
     return "\n".join(out)
+
+
+def _goodput_section(g: dict[str, Any] | None) -> list[str]:
+    """The goodput account: each class's seconds, share and bar, and ETTR (docs/goodput.md)."""
+    if not g:
+        return []
+    account = Goodput.from_dict(g)
+    return [
+        "",
+        "goodput (every second of the run's wall clock, in one class: docs/goodput.md)",
+        *account.lines(),
+    ]
 
 
 def _summary_section(r: RunReport) -> list[str]:
@@ -114,9 +130,16 @@ def _summary_section(r: RunReport) -> list[str]:
     ]
 
 
-def _config_section(r: RunReport) -> list[str]:
-    out = ["", "config (run.json; secrets redacted: docs/cluster.md, Security)"]
-    out += [f"  {k}: {json.dumps(v)}" for k, v in flatten(redact_config(r.config)).items()]
+def _config_section(r: RunReport, all_config: bool = False) -> list[str]:
+    """The run's settings (run.json): those that differ from the defaults, or every one."""
+    settings = flatten(redact_config(r.config))
+    if not all_config and r.defaults:
+        settings = {k: v for k, v in settings.items() if k not in r.defaults or r.defaults[k] != v}
+        title = "config: the settings that differ from the defaults (all of them: show --config)"
+    else:
+        title = "config (run.json)"
+    out = ["", f"{title}; secrets redacted: docs/cluster.md, Security"]
+    out += [f"  {k}: {json.dumps(v)}" for k, v in settings.items()]
     if r.config_changes:
         out.append("  changed by later submissions:")
         out += [

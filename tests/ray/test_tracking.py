@@ -182,6 +182,17 @@ def test_a_real_job_in_mlflow_and_tensorboard_and_its_resubmission(
     )
     assert {e.step: e.value for e in acc.Scalars("eval/loss")} == pytest.approx(evals, rel=1e-6)
     assert {"eval/bits_per_char", "eval/seconds"} <= set(acc.Tags()["scalars"])
+    # the goodput account: its running total at each epoch's end, and the run's at its end
+    (final,) = [e for e in read_events(storage) if e["event"] == "goodput"]
+    assert first.goodput is not None and first.goodput.ettr == pytest.approx(final["ettr"], abs=0.01)
+    ettr = history(client, run_id, "goodput/ettr")
+    assert len(ettr) == 2 and all(0 < v <= 1 for v in ettr.values())  # epoch 1's, then the end's
+    assert ettr[first.global_step] == pytest.approx(final["ettr"])
+    assert history(client, run_id, "goodput/productive_s")[first.global_step] == pytest.approx(
+        final["seconds"]["productive"]
+    )
+    assert {e.step: e.value for e in acc.Scalars("goodput/ettr")} == pytest.approx(ettr, rel=1e-5)
+    assert {"goodput/starting_s", "goodput/checkpoint_stall_s"} <= set(acc.Tags()["scalars"])
 
     # resubmitted with one more epoch: the same MLflow run goes on, on the same step axis
     second = train(

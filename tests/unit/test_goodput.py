@@ -121,9 +121,7 @@ def test_an_ended_account_reads_back_as_it_was_written() -> None:
     led.ran(1.0, 0, 10, t=11.0)
     led.close(12.0)
     snap = led.snapshot(12.0, ended=True)
-    read = goodput_of(
-        [{"time": 12.0, "event": "goodput", "goodput": snap}], {"time": 500.0, "global_step": 10}
-    )
+    read = goodput_of([{"time": 12.0, "event": "goodput", **snap}], {"time": 500.0, "global_step": 10})
     assert read is not None and read.to_dict()["seconds"] == Goodput.from_dict(snap).to_dict()["seconds"]
     adds_up(read, 12.0)
 
@@ -149,3 +147,13 @@ def test_contiguous_stretches_are_one_entry() -> None:
     for epoch in range(50):
         led.ran(0.5 if epoch == 0 else None, epoch * 10, epoch * 10 + 10, t=float(epoch + 1))
     assert len(led.entries) == 1
+
+
+def test_a_group_that_fails_before_any_heartbeat_trains_from_its_first_step() -> None:
+    led = Ledger(0.0)
+    led.started(0, 0)
+    led.progressed(6, 8.0, first_at=3.0)  # the survivors' heartbeat after the failure: step 1 done at 3
+    led.failed(now=9.0)
+    g = led.goodput(9.0)
+    adds_up(g, 9.0)
+    assert g.seconds["starting"] == 3.0 and g.seconds["productive"] == 5.0 and g.steps["productive"] == 5
