@@ -264,7 +264,7 @@ class FailureConfig:
     the newest checkpoint before the ``N`` steps that end at the first step whose loss was not finite, skips
     those steps' batches (as ``training.skip_steps``) and trains on. Each rollback counts against
     ``max_failures`` (docs/failures.md)."""
-    replica_check_steps: int = 100
+    replica_check_steps: int = 25
     """Every this many steps, and at every checkpoint before it is written, the ranks compare a digest of
     their parameters (one small all_gather): a rank that computed wrong numbers silently is found, the run
     rolls back to the newest checkpoint the replicas agreed on and that rank gets a new process
