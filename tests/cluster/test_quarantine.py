@@ -1,7 +1,8 @@
 """Lemon nodes kept out, on several real Ray nodes (ray.cluster_utils.Cluster): rank 1's process is SIGKILLed
 twice on the same node (the ``crash`` fault, on the first start and after the first recovery). The node is
 quarantined at the second death: rank 1 is re-placed on the free node, and no rank goes back to it, neither
-for the rest of the run nor in a resubmission, which, with no other room, trains smaller instead."""
+for the rest of the run nor in a resubmission, which, with no other room, trains smaller instead, or waits
+for room and fails naming the node when it may not shrink."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 
 from cluster import load_config, train
+from cluster.errors import ResourcesUnavailableError
 from cluster.quarantine import read
 from cluster.storage import Storage
 from tests.cluster.conftest import events
@@ -76,3 +78,7 @@ def test_two_deaths_on_one_node_keep_it_out_for_the_run_and_its_resubmission(
     assert later and all(lemon not in g["nodes"] for g in later), [g["nodes"] for g in later]
     assert later[0]["nodes"] == [groups[2]["nodes"][0]]  # one rank, on the one node not kept out
     assert f"smaller: quarantined node(s) {lemon[:12]}" in out.getvalue()
+
+    # Without scaling.min_workers to shrink to, it waits for room as for any resources, and says why
+    with pytest.raises(ResourcesUnavailableError, match=rf"quarantined node\(s\) {lemon[:12]} are kept out"):
+        train(load_config("jobs/configs/tiny_cpu.yaml", job(tmp, "training.epochs=4")), out=io.StringIO())
