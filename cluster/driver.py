@@ -360,6 +360,7 @@ class Driver:
         self.world_size, self.steps_per_epoch = len(infos), head.steps_per_epoch
         self.epoch, self.global_step = r.epoch, r.global_step
         self.skips = merge_windows([*self.skips, *r.skipped_steps])  # a checkpoint's (an earlier driver's)
+        self.record.ledger.skips = list(self.skips)  # steps that train no batch are neither kept nor redone
         self.record.skipped_checkpoints(head)
         if r.rollback is not None:
             self.record.rollback(r.rollback, r.global_step)

@@ -119,6 +119,7 @@ class Ledger:
         self.seconds: dict[str, float] = dict.fromkeys(CLASSES, 0.0)
         self.attempts: dict[str, dict[str, float]] = {}
         self.entries: list[list[Any]] = []
+        self.skips: list[tuple[int, int]] = []  # the run's skip windows: their steps train no batch
         """In order: ``["s", label, first, last, seconds]`` (steps first+1..last trained, their seconds) and
         ``["b", step]`` (a later start went back to ``step``)."""
         self.phase, self.since = "starting", t0
@@ -238,10 +239,12 @@ class Ledger:
         rest = max(0.0, seconds - side * scale)
         if last > first:
             prev = self.entries[-1] if self.entries else None
+            skips = [[a, b] for a, b in self.skips if a <= last and b > first]  # their batches untrained
             if merge and prev is not None and prev[0] == "s" and prev[1] == self.label and prev[3] == first:
                 prev[3], prev[4] = last, prev[4] + rest
+                prev[5:] = [[*(prev[5] if len(prev) > 5 else []), *skips]] if skips or len(prev) > 5 else []
             else:
-                self.entries.append(["s", self.label, first, last, rest])
+                self.entries.append(["s", self.label, first, last, rest, *([skips] if skips else [])])
             self.step = max(self.step, last)
         else:
             self._charge("other", rest)
@@ -324,13 +327,23 @@ def classify(entries: list[list[Any]]) -> list[tuple[str, int, int, float, float
         if e[0] == "b":
             later_min = min(later_min, int(e[1]))
             continue
-        _, label, first, last, seconds = e
-        n = last - first
-        kept = int(max(0, min(n, later_min - first)))
+        _, label, first, last, seconds = e[:5]
+        skips = e[5] if len(e) > 5 else []
+        upto = int(min(last, max(first, later_min)))  # steps first+1..upto kept, upto+1..last recomputed
+        kept = _trained(first, upto, skips)
+        n = kept + _trained(upto, last, skips)
         share = kept / n if n else 1.0
         out.append((str(label), kept, n - kept, seconds * share, seconds * (1 - share)))
     out.reverse()
     return out
+
+
+def _trained(first: int, last: int, skips: list[list[int]]) -> int:
+    """Steps ``first+1..last`` less those in the skip windows (inclusive ``[a, b]``)."""
+    n = max(0, last - first)
+    for a, b in skips:
+        n -= max(0, min(b, last) - max(a - 1, first))
+    return max(0, n)
 
 
 # ---------------------------------------------------------------------- reading a run's account
@@ -359,6 +372,8 @@ def ledger_for(
     ``rewind``)."""
     state, last_t, last_step = last_state(events)
     if state is None:
+        state = _first_state(events, submission - 1)
+    if state is None:
         return Ledger(t0, submission)
     if driver is not None and isinstance(driver.get("time"), int | float):
         last_t = max(last_t or 0.0, float(driver["time"]))
@@ -373,6 +388,26 @@ def ledger_for(
         if isinstance(back, int):
             ledger.went_back(back)
     return ledger
+
+
+def _first_state(events: list[dict[str, Any]], submission: int) -> dict[str, Any] | None:
+    """The account of a driver killed before it wrote one (before its first epoch ended): starting from its
+    ``run_start`` to its group's start, training from there (the caller adds the tail up to its last sign
+    of life)."""
+    start = next((float(e["time"]) for e in events if e.get("event") == "run_start"), None)
+    if start is None:
+        return None
+    group = next((e for e in events if e.get("event") == "group_started" and float(e["time"]) >= start), None)
+    if group is None:
+        return {"as_of": start, "step": 0, "label": f"{submission}.0", "charged": {}}
+    began = float(group["time"])
+    return {
+        "as_of": began,
+        "step": int(group.get("resume_step") or 0),
+        "label": f"{submission}.{int(group.get('attempt') or 0)}",
+        "charged": {"starting": began - start},
+        "attempts": {f"{submission}.0": {"starting": began - start}},
+    }
 
 
 def goodput_of(events: list[dict[str, Any]], driver: dict[str, Any] | None = None) -> Goodput | None:

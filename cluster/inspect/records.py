@@ -21,6 +21,7 @@ from cluster.inspect.runs import (
     summarize,
 )
 from cluster.metrics import read_metrics
+from cluster.quarantine import show_lines
 from cluster.storage import Storage
 
 
@@ -72,6 +73,8 @@ class RunReport:
     """The run's goodput account (``cluster.goodput.Goodput.to_dict``); None for runs from before it."""
     defaults: dict[str, Any] = field(default_factory=dict)
     """The default of every config key (flattened), to list only the settings a run changed."""
+    quarantine: list[str] = field(default_factory=list)
+    """``show``'s lines on the nodes with incidents (``cluster.quarantine.show_lines``)."""
 
 
 @dataclass(frozen=True)
@@ -267,6 +270,7 @@ def report(storage: Storage, verify_all: bool = False) -> RunReport:
         epochs=epochs,
         driver=driver,
         goodput=g.to_dict() if g is not None else None,
+        quarantine=show_lines(storage),
         defaults=flatten(json.loads(json.dumps(JobConfig().to_dict(), default=str))),
         latest_step=steps[-1] if steps else None,
         preemptions=preemption_records(events),

@@ -92,6 +92,7 @@ def format_show(r: RunReport, all_config: bool = False) -> str:
     out = _summary_section(r)
     out += _goodput_section(r.goodput)
     out += _failures_section(r.failures)
+    out += r.quarantine
     out += _checkpoints_section(r.checkpoints)
     out += _preemptions_section(r.preemptions)
     out += _slow_ranks_section(r.slow_ranks)

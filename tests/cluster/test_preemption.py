@@ -16,6 +16,7 @@ from cluster import load_checkpoint, load_config, train
 from cluster.inspect import format_show, report
 from cluster.storage import Storage
 from tests.cluster.conftest import events, wait_for
+from tests.support.goodput import account
 from tests.support.tasks import audit
 
 pytestmark = pytest.mark.timeout(300)
@@ -148,6 +149,9 @@ def test_preemption_notice_moves_a_rank_before_the_deadline_with_no_step_lost(
     assert all(torch.equal(got[k], want[k]) for k in want)
     shown = format_show(report(Storage(run_url)))  # what `python -m cluster show` prints
     assert "preemption notices (1)" in shown and " moved " in shown, shown
+    # the goodput account: the move's time is its own class, and nothing was trained twice
+    g = account(run_url)
+    assert g.seconds["moves"] > 0 and g.steps["recomputed"] == 0 and g.seconds["recovery"] == 0, g.seconds
 
 
 def test_no_spare_node_shrinks_before_the_deadline_with_exact_samples(

@@ -14,6 +14,7 @@ import pytest
 
 from cluster import load_config, train
 from cluster.errors import ResourcesUnavailableError
+from cluster.inspect import format_show, report
 from cluster.quarantine import read
 from cluster.storage import Storage
 from tests.cluster.conftest import events
@@ -65,6 +66,8 @@ def test_two_deaths_on_one_node_keep_it_out_for_the_run_and_its_resubmission(
     assert len(groups) == 3 and lemon not in groups[2]["nodes"], groups[2]["nodes"]
     assert groups[2]["pids"][0] == groups[1]["pids"][0]  # rank 0 kept its process (and sent its state)
     assert read(Storage(run_url))[lemon].quarantined
+    shown = format_show(report(Storage(run_url)))  # python -m cluster show: the node, its incidents
+    assert f"{lemon[:12]}" in shown and "QUARANTINED" in shown and "worker_died at step" in shown, shown
 
     # A resubmission, with the other free node gone: only the quarantined node has room for a second rank
     (other,) = {n.node_id for n in ray_cluster.worker_nodes} - {lemon, groups[2]["nodes"][0]}

@@ -18,6 +18,7 @@ from cluster.inspect import read_events, run_metrics
 from cluster.metrics import COMMIT_ROWS, read_metric_parts, read_metrics
 from cluster.storage import Storage
 from tests.support.faults import EPOCHS, STEPS, overrides
+from tests.support.goodput import account
 
 pytestmark = [pytest.mark.timeout(400)]
 
@@ -38,6 +39,7 @@ def job(storage: str, log: str, *extra: str) -> subprocess.Popen[str]:
 def test_a_killed_driver_s_rows_are_on_storage_and_the_resubmission_completes_them(tmp_path: Any) -> None:
     storage = f"{tmp_path}/runs"
     run = Storage(f"{storage}/killed")
+    began = time.monotonic()
     first = job(storage, f"{tmp_path}/first.log", "task_args.step_sleep_s=0.5")
     try:
         deadline = time.monotonic() + 240
@@ -71,6 +73,13 @@ def test_a_killed_driver_s_rows_are_on_storage_and_the_resubmission_completes_th
     assert final == list(range(1, EPOCHS * STEPS + 1)), (resumed, steps, final)
     beside = read_metric_parts(run, COMMIT_ROWS)
     assert beside, "rank 0 wrote no rows beside its commits"
+    # the goodput account goes on across the kill: the resubmission continued the killed driver's, the
+    # gap between them is the driver's, and the whole account fits in the harness's clock
+    g = account(run.root, time.monotonic() - began)
+    assert g.seconds["driver_down"] > 0 and sorted({a.split(".")[0] for a in g.attempts}) == ["1", "2"]
+    # every step the resubmission trained is counted (its first is its start's); of the killed driver's,
+    # those up to its last event or beat (docs/goodput.md: what it does not see)
+    assert EPOCHS * STEPS - resumed - 1 <= g.steps["productive"] <= EPOCHS * STEPS, g.steps
 
 
 def _kill_group(p: subprocess.Popen[str]) -> None:

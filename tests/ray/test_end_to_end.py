@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import time
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from cluster.checkpoint import CheckpointStore
 from cluster.inspect import read_events
 from cluster.storage import Storage
 from jobs.tasks.charlm import CharLMTask
+from tests.support.goodput import account
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -23,8 +25,16 @@ def events(run_url: str) -> list[dict]:
 def test_tiny_job_trains_checkpoints_and_resumes(ray_local: None, tiny_overrides: list[str]) -> None:
     overrides = [*tiny_overrides, "name=e2e", "training.epochs=2", "checkpoint.every_steps=10"]
     out = io.StringIO()
+    t0 = time.monotonic()
     first = train(load_config("jobs/configs/tiny_cpu.yaml", overrides), out=out)
+    harness_s = time.monotonic() - t0
     assert first.status == "finished"
+    # the goodput account of a run without faults: starting, training, stalls; nothing lost or recovered
+    g = account(first.run_url, harness_s)
+    assert first.goodput is not None and first.goodput.to_dict()["seconds"] == g.to_dict()["seconds"]
+    assert g.steps == {"productive": first.global_step - 1, "recomputed": 0}  # the 1st: the start's
+    assert [k for k in ("recomputed", "detection", "recovery", "moves", "driver_down") if g.seconds[k]] == []
+    assert g.seconds["starting"] > 0 and g.seconds["productive"] > 0 and g.seconds["checkpoint_stall"] > 0
     steps_per_epoch = first.global_step // 2
     assert first.global_step == 2 * steps_per_epoch > 0
     text = out.getvalue()
@@ -57,6 +67,10 @@ def test_tiny_job_trains_checkpoints_and_resumes(ray_local: None, tiny_overrides
         load_config("jobs/configs/tiny_cpu.yaml", [*overrides, "training.epochs=3"]), out=io.StringIO()
     )
     assert second.global_step == 3 * steps_per_epoch
+    g2 = account(first.run_url)  # continued: the gap between the two submissions is the driver's
+    assert g2.wall_s > g.wall_s + 1 and g2.seconds["driver_down"] > 0
+    assert g2.steps == {"productive": second.global_step - 2, "recomputed": 0}
+    assert sorted(g2.attempts) == ["1.0", "2.0"]
     ev = events(first.run_url)
     started = [e for e in ev if e["event"] == "group_started"]
     assert started[-1]["resume_step"] == first.global_step

@@ -22,6 +22,7 @@ from cluster import load_config, run_metrics, train
 from cluster.checkpoint import CheckpointStore
 from cluster.inspect import format_show, read_events, report
 from cluster.storage import Storage
+from tests.support.goodput import account
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -96,6 +97,13 @@ def test_a_nan_loss_rolls_back_past_its_batches_exactly_as_skipping_them_by_hand
     assert any(not math.isfinite(r["loss"]) for r in every)  # what was written stays: the rollbacks' NaN rows
     shown = format_show(report(run))
     assert "rollback" in shown and "10-12" in shown and "30-32" in shown
+    # the goodput account: what each rollback threw away (from its checkpoint to where the NaN was seen) is
+    # recomputed; the skipped steps train no batch: neither kept nor redone
+    g = account(result.run_url)
+    lost = sum(e["lost_steps"] for e in ev if e["event"] == "recovered")
+    assert g.steps["recomputed"] == lost > 0 and g.seconds["recomputed"] > 0, g.steps
+    assert g.steps["productive"] == 32 - 6 - 3 and g.seconds["recovery"] > 0  # each start's first step aside
+    assert "goodput" in shown and "ETTR" in shown
 
     # The same batches skipped by hand, in loader processes this time: if a window missed the corrupt
     # batch, this run (no rollback) would stop diverged.

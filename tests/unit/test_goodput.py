@@ -157,3 +157,30 @@ def test_a_group_that_fails_before_any_heartbeat_trains_from_its_first_step() ->
     g = led.goodput(9.0)
     adds_up(g, 9.0)
     assert g.seconds["starting"] == 3.0 and g.seconds["productive"] == 5.0 and g.steps["productive"] == 5
+
+
+def test_skipped_steps_are_neither_kept_nor_recomputed_unless_they_were_trained() -> None:
+    led = Ledger(0.0)
+    led.started(0, 0)
+    led.ran(1.0, 0, 12, t=12.0)  # steps 2-12, with 10-12 trained (the NaN batch among them)
+    led.progressed(12, 12.0)
+    led.failed(now=12.0)
+    led.skips = [(10, 12)]  # the rollback's window, from the next start on
+    led.started(1, 8)
+    led.ran(13.0, 8, 16, t=20.0)  # 10-12 skipped: steps 10..16 but 9, 13-16 trained after the first
+    g = led.goodput(20.0)
+    assert g.steps == {"productive": 7 + 4, "recomputed": 4}  # 2-8 and 13-16 kept; 9-12 redone/abandoned
+
+
+def test_a_driver_killed_before_its_first_epoch_ended_is_accounted_from_its_events() -> None:
+    events: list[dict[str, Any]] = [
+        {"time": 10.0, "event": "run_start"},
+        {"time": 14.0, "event": "group_started", "attempt": 0, "resume_step": 0},
+    ]
+    led = ledger_for(60.0, 2, events, {"time": 24.0, "global_step": 5})  # its last beat: step 5 at 24
+    led.started(0, 5)
+    led.ran(61.0, 5, 10, t=66.0)
+    g = led.goodput(66.0)
+    adds_up(g, 56.0)  # from the first driver's run_start
+    assert g.seconds["starting"] == 4.0 + 1.0 and g.seconds["driver_down"] == 36.0
+    assert g.steps == {"productive": 5 + 4, "recomputed": 0}
