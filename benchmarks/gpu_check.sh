@@ -57,7 +57,7 @@ row() {  # row CHECK RC DETAIL
 }
 
 # 1. environment -----------------------------------------------------------------------------------
-echo "== 1/4 environment"
+echo "== 1/5 environment"
 timeout 30 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 env_line=$(timeout 30 "$PY" - <<'EOF'
 import torch
@@ -71,7 +71,7 @@ echo "$env_line"
 row "environment" "$rc" "$env_line"
 
 # 2. NCCL ------------------------------------------------------------------------------------------
-echo "== 2/4 NCCL process group and transport"
+echo "== 2/5 NCCL process group and transport"
 cat >"$WORK/nccl_check.py" <<'EOF'   # a file, not stdin: spawned ranks import their function from it
 import datetime, os, torch, torch.distributed as dist, torch.multiprocessing as mp
 
@@ -105,7 +105,7 @@ fi
 row "NCCL all-reduce; transport" "$rc" "$transport"
 
 # 3. GPU tests ---------------------------------------------------------------------------------------
-echo "== 3/4 pytest tests/gpu"
+echo "== 3/5 pytest tests/gpu"
 timeout 200 "$PY" -m pytest -q -rA -p no:cacheprovider --junitxml="$WORK/gpu.xml" tests/gpu 2>&1 | tee "$WORK/pytest.log"
 rc=${PIPESTATUS[0]}
 cp "$WORK/pytest.log" "$OUTDIR/pytest.log" 2>/dev/null
@@ -134,7 +134,7 @@ fi
 [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ] && FAILED=1
 
 # 4. step time ----------------------------------------------------------------------------------------
-echo "== 4/4 bf16 step time: product worker vs bare DDP loop"
+echo "== 4/5 bf16 step time: product worker vs bare DDP loop"
 timeout 100 "$PY" -m benchmarks.bench_gpu_step --epochs 4 --repeats 1 --timeout 45 --json "$OUTDIR/gpu_step.json"
 rc=$?
 detail=$("$PY" - "$OUTDIR/gpu_step.json" <<'EOF' 2>/dev/null
@@ -149,6 +149,14 @@ else:
 EOF
 )
 row "bf16 step, product/bare DDP" "$rc" "${detail:-no result}"
+
+# 5. replica guard on the device ----------------------------------------------------------------------
+echo "== 5/5 replica guard: one on-device digest + gather vs a step"
+timeout 90 "$PY" -m benchmarks.bench_replica --device cuda --steps 100 --checks 100 --rounds 2 --json "$OUTDIR/replica_gpu.json"
+rc=$?
+detail=$("$PY" -c 'import json,sys; r=json.load(open(sys.argv[1])); print({k: r[k] for k in list(r)[:6]})' \
+    "$OUTDIR/replica_gpu.json" 2>/dev/null)
+row "replica check cost (cuda)" "$rc" "${detail:-no result}"
 
 echo
 echo "== summary ($((SECONDS - START)) s)"
