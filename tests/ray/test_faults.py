@@ -191,6 +191,11 @@ def test_hang_is_detected_by_heartbeat_and_recovered(reference: dict, tmp_path: 
     assert "torch/nn/parallel/distributed.py" in where[0] and "compute_loss" in where[0], dump
     text = Storage(run_url).read_bytes(dump["path"]).decode()
     assert "=== rank 0" in text and "=== rank 1" in text and "--- thread" in text and "(training)" in text
+    # the goodput account: from the last step to the hang's detection (the 3 s timeout) is detection's,
+    # from there to the replacement's first step recovery's; the step lost with it is recomputed
+    g = account(run_url)
+    assert g.seconds["detection"] >= 2.0 and g.seconds["recovery"] > 0, g.seconds
+    assert g.steps["recomputed"] == recovered["lost_steps"], g.steps
 
 
 def test_a_slow_rank_is_named_with_its_host_and_cleared_never_on_the_others(
