@@ -257,6 +257,7 @@ class Striker:
         self.arm, self.a, self.place, self.chaos = arm, a, place, chaos
         self.stopped: list[int] = []
         self.timers: list[threading.Thread] = []
+        self.nodes_due = 0  # replacement nodes a drain asked for (added by the main thread)
         self.done = threading.Event()
         self.resubmit_at: float | None = None
 
@@ -267,6 +268,13 @@ class Striker:
         except (FileNotFoundError, ValueError):
             return None
         return (int(pid), node) if os.path.exists(f"/proc/{pid}") else None
+
+    def add_due_nodes(self) -> None:
+        """Nodes a drain's timer asked for: ``Cluster.add_node`` sets signal handlers, so only the main
+        thread may call it."""
+        while self.nodes_due > 0:
+            self.nodes_due -= 1
+            self.place.add_node(self.a.cpus_per_node)
 
     def later(self, delay: float, fn: Any) -> None:
         def go() -> None:
@@ -349,7 +357,7 @@ class Striker:
             nodes = [n for n in self.place.cluster.worker_nodes if n.node_id == node]
             for n in nodes:
                 self.place.cluster.remove_node(n, allow_graceful=False)
-            self.place.add_node(self.a.cpus_per_node)  # the provider's replacement node
+            self.nodes_due += 1  # the provider's replacement node: added by the main thread (Ray's rule)
 
         self.later(notice, remove)
         return f"drain notice, node removed at the deadline ({notice:.0f} s), a fresh node joins"
@@ -445,6 +453,7 @@ def supervise(
     submissions, manual = 1, 0
     while time.time() - t0 < a.timeout:
         time.sleep(0.2)
+        striker.add_due_nodes()
         for r in range(a.ranks):
             got = striker.rank_pid(r)
             if got:
