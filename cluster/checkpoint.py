@@ -533,7 +533,7 @@ class CheckpointWriter:
         self._pool = HostBuffers()
         self._model_checked = False
         self.rows_seq = 0
-        """The event count the rows written beside commits are placed by (``Worker.setup`` sets it)."""
+        """The event count the rows written beside commits are placed by (``Worker.run_epoch`` sets it)."""
 
     def save(
         self,
