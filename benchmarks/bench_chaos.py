@@ -451,7 +451,8 @@ def supervise(
     t0, first, last_fire, pending = time.time(), None, 0.0, list(faults)
     pids: dict[int, set[int]] = {r: set() for r in range(a.ranks)}
     submissions, manual = 1, 0
-    while time.time() - t0 < a.timeout:
+    limit = a.peer_timeout if arm != "product" and a.peer_timeout else a.timeout
+    while time.time() - t0 < limit:
         time.sleep(0.2)
         striker.add_due_nodes()
         for r in range(a.ranks):
@@ -592,6 +593,12 @@ def options(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--nodes", type=int, default=None, help="Ray worker nodes for the Ray arms")
     p.add_argument("--max-manual", type=int, default=3, help="resubmissions of a failed arm")
     p.add_argument("--timeout", type=float, default=None, help="seconds per arm run")
+    p.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=None,
+        help="seconds per Ray Train / torchrun run (else --timeout)",
+    )
     p.add_argument("--product-set", action="append", default=[], metavar="KEY=VALUE", help="product override")
     p.add_argument("--no-baseline", action="store_true", help="skip the product's fault-free run")
     p.add_argument("--out-dir", default=os.path.join(REPO, "benchmarks", "results"))

@@ -1,5 +1,6 @@
 """The replica guard's cost against a training step: what ``failures.replica_check_steps`` must be for the
-check to take at most 0.5% of the step time.
+check to take at most 0.5% of the step time; and the same for the rollback copies in memory
+(``failures.nan_snapshot_steps``, ``cluster.snapshots``).
 
     .venv/bin/python -m benchmarks.bench_replica                    # CPU: 2 gloo ranks, tiny_cpu's char-LM
     .venv/bin/python -m benchmarks.bench_replica --steps 10 --checks 10   # smoke
@@ -11,7 +12,9 @@ in DDP and trains ``--steps`` steps of its global batch (64), timed one by one (
 each). Then it runs ``--checks`` replica checks exactly as a worker does at a check step
 (``ReplicaGuard``: the digest on the device, the all_gather, the compare), each timed alone. Reported:
 median step and check, the check's share at the default interval, and the smallest interval at which it is
-at most 0.5%. Rounds alternate training and checks (``--rounds``), so a change of the VM's speed hits both.
+at most 0.5%. Then as many copies of the train state to host memory, as a worker takes them at a copy step
+(``MemorySnapshots.after_step``, the buffers reused from two copies before), reported the same way. Rounds
+alternate training, checks and copies (``--rounds``), so a change of the VM's speed hits all.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import socket
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -32,9 +36,11 @@ import torch.multiprocessing as mp
 import yaml
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from cluster.config import FailureConfig
+from cluster.config import FailureConfig, load_config
 from cluster.replica import ReplicaGuard
+from cluster.snapshots import MemorySnapshots
 from cluster.task import build_task
+from cluster.train_state import RunPosition
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGET = 0.005
@@ -90,23 +96,45 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: A
         guard.verify(k)  # digest, all_gather, compare: what a check step adds
         return time.perf_counter() - t0
 
-    for _ in range(3):  # warm-up: allocator, DDP's first buckets, the digest's weights
+    cfg = load_config(
+        os.path.join(REPO, "jobs/configs/tiny_cpu.yaml"),
+        ["failures.nan_skip_steps=2", "failures.nan_snapshot_steps=1"],
+    )
+    memory = MemorySnapshots(cfg)
+    session = SimpleNamespace(
+        raw_model=raw, optimizer=opt, scheduler=None, sampler=SimpleNamespace(steps_per_epoch=10**9)
+    )
+    pos = RunPosition.start(cfg)
+
+    def copy(k: int) -> float:
+        sync()
+        pos.global_step = pos.step_in_epoch = k
+        t0 = time.perf_counter()
+        memory.after_step(session, pos, world)  # capture, device-to-host copy into reused buffers
+        return time.perf_counter() - t0
+
+    for _ in range(3):  # warm-up: allocator, DDP's first buckets, the digest's weights, the copies' buffers
         step()
     check(10**9)
+    copy(1)
+    copy(2)
     steps: list[float] = []
     checks: list[float] = []
+    copies: list[float] = []
     k = 0
     for _ in range(args.rounds):
         steps += [step() for _ in range(args.steps // args.rounds)]
         for _ in range(args.checks // args.rounds):
             k += 1
             checks.append(check(k))
+            copies.append(copy(k + 2))
     params = sum(p.numel() for p in raw.parameters())
     out.put(
         {
             "rank": rank,
             "steps": steps,
             "checks": checks,
+            "copies": copies,
             "params": params,
             "tensors": len(list(raw.parameters())),
         }
@@ -145,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     step_ms = statistics.median(s for g in got for s in g["steps"]) * 1e3
     check_ms = max(statistics.median(g["checks"]) for g in got) * 1e3  # the slowest rank's
     default = FailureConfig().replica_check_steps
+    copy_ms = max(statistics.median(g["copies"]) for g in got) * 1e3
+    every = FailureConfig().nan_snapshot_steps
     result = {
         "device": args.device,
         "ranks": world,
@@ -156,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         "default_interval": default,
         "share_at_default": round(check_ms / (default * step_ms), 6),
         "min_interval_for_0.5%": math.ceil(check_ms / (BUDGET * step_ms)),
+        "snapshot_ms": round(copy_ms, 3),
+        "snapshot_default_interval": every,
+        "snapshot_share_at_default": round(copy_ms / (every * step_ms), 6),
+        "snapshot_min_interval_for_0.5%": math.ceil(copy_ms / (BUDGET * step_ms)),
         "steps": args.steps,
         "checks": args.checks,
     }

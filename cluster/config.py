@@ -261,9 +261,16 @@ class FailureConfig:
     not finite are never committed as a checkpoint, so the good ones are kept."""
     nan_skip_steps: int = 0
     """``0``: a NaN or infinite loss stops the run (``stop_on_nan``). ``N`` > 0: it rolls back instead, to
-    the newest checkpoint before the ``N`` steps that end at the first step whose loss was not finite, skips
-    those steps' batches (as ``training.skip_steps``) and trains on. Each rollback counts against
+    the newest state before the ``N`` steps that end at the first step whose loss was not finite (the ranks'
+    copy in memory, ``nan_snapshot_steps``, or a checkpoint), skips those steps' batches (as
+    ``training.skip_steps``) and trains on. Each rollback counts against
     ``max_failures`` (docs/failures.md)."""
+    nan_snapshot_steps: int = 50
+    """With ``nan_skip_steps``: every this many steps each rank keeps a host copy of its train state (the two
+    newest), so that a rollback goes back to the newest copy before the skipped steps when it is newer than
+    the newest checkpoint there: a few dozen steps recomputed, not up to a checkpoint interval, and no storage
+    read (``cluster.snapshots``; docs/failures.md). Costs two host copies of the state per rank. ``0``:
+    off."""
     replica_check_steps: int = 25
     """Every this many steps, and at every checkpoint before it is written, the ranks compare a digest of
     their parameters (one small all_gather): a rank that computed wrong numbers silently is found, the run

@@ -106,10 +106,16 @@ def line(kind: str | None, fields: Fields) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- texts
+def _rollback_to(r: Fields, step: Any) -> str:
+    """Where a rollback went: the ranks' copy in memory, a checkpoint or the run's start."""
+    if r.get("memory_step") is not None:
+        return f"step {r['memory_step']} (the ranks' copy in memory)"
+    return f"checkpoint step {step}" if r.get("checkpoint_step") is not None else "the run's start"
+
+
 def _rollback(r: Fields) -> str:
     first, last = (r.get("skipped") or [None, None])[:2]
-    back = r.get("checkpoint_step")
-    where = f"checkpoint step {back}" if back is not None else "the run's start"
+    where = _rollback_to(r, r.get("checkpoint_step"))
     gone = f", deleted checkpoints {r['discarded']}" if r.get("discarded") else ""
     aside = f", set aside {r['set_aside']}" if r.get("set_aside") else ""
     return f"rollback after a loss that was not finite: to {where}, steps {first}-{last} skipped{gone}{aside}"
@@ -279,8 +285,7 @@ def _recovered_console(r: Fields) -> str:
 def _rollback_console(r: Fields) -> str:
     first, last = (r.get("window") or [None, None])[:2]
     trained = (r.get("skipped") or [first])[0]
-    back = r.get("checkpoint_step")
-    where = f"checkpoint step {r.get('resume_step')}" if back is not None else "the run's start"
+    where = _rollback_to(r, r.get("resume_step"))
     note = (
         f" (the newer kept checkpoints leave none before step {first}: steps {first}-{trained - 1} stay "
         "trained)"
@@ -685,7 +690,10 @@ KINDS: dict[str, Kind] = _kinds(
         {
             "window": "the steps asked to be skipped",
             "skipped": "the first and last step whose batches are skipped",
-            "checkpoint_step": "the checkpoint resumed from (null: the run's start)",
+            "checkpoint_step": "the checkpoint resumed from (null: the ranks' copy in memory or the run's "
+            "start)",
+            "memory_step": "the step of the ranks' copy in memory resumed from "
+            "(`failures.nan_snapshot_steps`); null: a checkpoint or the run's start",
             "discarded": "newer checkpoints deleted (they trained the skipped batches; the best and the "
             "milestones among them are in `set_aside`)",
             "set_aside": "the newer ones moved to `checkpoints/discarded/` (the best, the milestones)",

@@ -577,6 +577,7 @@ class RunRecord:
             window=[first, last],
             skipped=[trained, last],
             checkpoint_step=back["checkpoint_step"],
+            memory_step=back.get("memory_step"),
             discarded=back["discarded"],
             set_aside=back.get("set_aside", []),
             resume_step=resume_step,

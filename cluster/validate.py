@@ -285,6 +285,12 @@ def _validate_failures(f: FailureConfig) -> None:
             f"failures.nan_skip_steps={f.nan_skip_steps} rolls back on a NaN loss, but failures.stop_on_nan="
             "false trains on regardless (and commits checkpoints of NaN weights); set one of the two"
         )
+    if f.nan_snapshot_steps < 0:
+        raise ConfigError(
+            f"failures.nan_snapshot_steps={f.nan_snapshot_steps} must be 0 (a NaN rollback reads the "
+            "newest checkpoint before it) or how many steps apart each rank keeps a copy of its state to "
+            "roll back to"
+        )
     if f.replica_check_steps < 0:
         raise ConfigError(
             f"failures.replica_check_steps={f.replica_check_steps} must be 0 (no replica checks) or the "

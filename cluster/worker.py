@@ -57,6 +57,7 @@ from cluster.replica import ReplicaGuard, ReplicaMismatchError
 from cluster.schedule import HOLD_STEPS as HOLD_STEPS  # cluster.worker_group imports it from here
 from cluster.schedule import Schedule, StopRequest, Window, merge_windows, skip_windows
 from cluster.session import TrainSession, build_model, join_group, sampler_for, writer_for
+from cluster.snapshots import MemorySnapshots
 from cluster.step import Divergence, peak_memory_gib, seed_step, step_seed, train_step
 from cluster.storage import PROBE_ENV, Storage, check_probe
 from cluster.task import StepInfo, Task, build_task
@@ -135,6 +136,7 @@ class Worker:
         self._profiler: StepProfiler | None = None  # made by the first ``profile`` request
         self._divergence = Divergence(cfg.failures)
         self._replica = ReplicaGuard(cfg.failures.replica_check_steps)  # ranks compare their parameters
+        self._memory = MemorySnapshots(cfg)  # rollback points after a NaN loss (failures.nan_snapshot_steps)
         self.gpu_index = 0  # this rank's GPU among the visible ones (``use_gpus``)
         self.faults = Faults(cfg, rank, attempt)
         self._pace = StepPace()
@@ -291,6 +293,7 @@ class Worker:
         model, optimizer, scheduler, resume, skipped = self._take_state(
             kept, peers, rollback, raw_model, device, sampler, store, t
         )
+        self._memory.drop_after(self.pos.global_step)  # copies past it are of a path the run left
         sampler.order = self.pos.sampler_order  # the resumed run's (a new run's when nothing was resumed)
         self._replica.begin(raw_model, self.world_size, self.pos.global_step)  # every rank holds the same
         writer = writer_for(self.rank, kept.writer if kept is not None else None, store, cfg)
@@ -367,10 +370,11 @@ class Worker:
         optimizer, scheduler = self._optimizer(raw_model, total_steps)
         t["ddp"] = time.time()
         resume, skipped, self.pos = recovery.resume(
-            store, self.rank, cfg, raw_model, optimizer, scheduler, self.pos, sampler, rollback
+            store, self.rank, cfg, raw_model, optimizer, scheduler, self.pos, sampler, rollback, self._memory
         )
-        if resume.source == "checkpoint":
-            self._last_checkpoint = resume.global_step  # it exists: an evaluation here never writes it again
+        # a checkpoint resumed from exists: an evaluation there never writes it again; any other state
+        # (a copy in memory, the run's start) leaves the checkpoints this process wrote on another path
+        self._last_checkpoint = resume.global_step if resume.source == "checkpoint" else -1
         t["checkpoint_load"] = time.time()
         return model, optimizer, scheduler, resume, skipped
 
@@ -464,6 +468,7 @@ class Worker:
             else:
                 step = self._step(s, epoch, local_idx, tally)
             self._replica.after_step(p.global_step)
+            self._memory.after_step(s, p, self.world_size)
             due = False
             if p.step_in_epoch < sched.steps_per_epoch:  # the epoch's last step: in _end_epoch
                 early = self._maybe_evaluate(s)

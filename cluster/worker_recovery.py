@@ -31,6 +31,7 @@ from cluster.group import ResumePoint
 from cluster.peer import PeerPlan, PeerState, Transfer, broadcast_state, state_digest
 from cluster.schedule import Window, merge_windows
 from cluster.session import check_writable
+from cluster.snapshots import MemorySnapshots, rollback_step
 from cluster.train_state import RunPosition, Scheduler, TrainState, apply, capture, payload
 
 logger = logging.getLogger(__name__)
@@ -170,9 +171,11 @@ def resume(
     pos: RunPosition,
     sampler: ResumableDistributedSampler,
     rollback: Window | None = None,
+    memory: MemorySnapshots | None = None,
 ) -> tuple[ResumePoint, list[tuple[int, str]], RunPosition]:
-    """Rank 0 picks the newest verified checkpoint (with ``rollback``: :func:`rollback_point`); every
-    rank loads that one step. Returns where it resumed, the checkpoints passed over and the position. A
+    """Rank 0 picks the newest verified checkpoint (with ``rollback``: :func:`rollback_point`, which takes
+    the ranks' copy in ``memory`` instead when it is newer: ``cluster.snapshots``); every rank loads that
+    one step. Returns where it resumed, the checkpoints passed over and the position. A
     fresh start is at step 0 with ``pos``'s skip windows, a new run's sampler order and no best
     evaluation. ConfigError (on every rank alike) when the checkpoint does not fit this job's model or
     steps per epoch (:func:`check_fits`), or when the state a checkpoint would hold cannot be loaded back
@@ -180,21 +183,21 @@ def resume(
     t0 = time.perf_counter()
     choice: list[Any] = [None, [], 0, None]
     files: dict[str, Any] | None = None
+    in_memory = rollback_step(memory, rollback[0]) if rollback is not None else None  # every rank
     if rank == 0:
         if rollback is None:
             loaded = store.load_latest()  # records what it passed over in store.last_skipped
             back = None
         else:
-            loaded, back = rollback_point(store, rollback, cfg.checkpoint.keep_every_steps)
-        choice = [
-            loaded.info.step if loaded else None,
-            list(store.last_skipped),
-            loaded.info.total_bytes if loaded else 0,
-            back,
-        ]
+            loaded, back = rollback_point(store, rollback, cfg.checkpoint.keep_every_steps, in_memory)
+        step = loaded.info.step if loaded else back.get("memory_step") if back else None
+        choice = [step, list(store.last_skipped), loaded.info.total_bytes if loaded else 0, back]
         files = loaded.files if loaded else None
     dist.broadcast_object_list(choice, src=0)
     step, skipped, nbytes, back = choice
+    if back is not None and back.get("memory_step") is not None:
+        assert memory is not None  # memory_step comes from rollback_step, None without it
+        return _from_memory(memory, int(step), rank, cfg, raw_model, optimizer, scheduler, pos, back, t0)
     if step is None:
         pos = dataclasses.replace(RunPosition.start(cfg), skips=list(pos.skips))
         init = init_from(raw_model, rank, cfg) if cfg.training.init_from else None
@@ -227,6 +230,40 @@ def resume(
         rollback=back,
     )
     return point, skipped, pos
+
+
+def _from_memory(
+    memory: MemorySnapshots,
+    step: int,
+    rank: int,
+    cfg: JobConfig,
+    raw_model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Scheduler | None,
+    pos: RunPosition,
+    back: dict[str, Any],
+    t0: float,
+) -> tuple[ResumePoint, list[tuple[int, str]], RunPosition]:
+    """Every rank loads its own copy at ``step`` (every rank's has the same digest: ``rollback_step``)."""
+    files = memory.files(step)
+    state = TrainState.from_state_dict(
+        files["train_state.pt"], f"rank {rank}'s copy in memory at step {step}"
+    )
+    pos = apply(state, files["model.pt"], raw_model, optimizer, scheduler, pos)
+    pos.skips = merge_windows([*pos.skips, *((a, b) for a, b in state.skipped_steps)])
+    _writable(raw_model, optimizer, scheduler, pos, cfg)
+    point = ResumePoint(
+        state.global_step,
+        state.epoch,
+        state.step_in_epoch,
+        None,
+        state.world_size,
+        source="memory",
+        transfer_s=time.perf_counter() - t0,
+        skipped_steps=list(pos.skips),
+        rollback=back,
+    )
+    return point, [], pos
 
 
 def _writable(
@@ -323,7 +360,9 @@ def _changed(store: CheckpointStore, cfg: JobConfig, section: str, key: str | No
     )
 
 
-def rollback_point(store: CheckpointStore, window: Window, keep_every: int = 0) -> tuple[Any, dict[str, Any]]:
+def rollback_point(
+    store: CheckpointStore, window: Window, keep_every: int = 0, in_memory: int | None = None
+) -> tuple[Any, dict[str, Any]]:
     """Rank 0, restarting after a NaN loss whose steps ``window`` will be skipped: the newest verified
     checkpoint before the window, so that none of its batches is in the weights; when the newer ones
     kept (``checkpoint.keep_last``) leave none there, the newest before the window's last step (only the
@@ -331,20 +370,32 @@ def rollback_point(store: CheckpointStore, window: Window, keep_every: int = 0) 
     run's path: it trained batches now skipped, and a later recovery must never resume from it. What
     verified is not lost: the best and the milestones among them (steps that are multiples of
     ``keep_every``, ``checkpoint.keep_every_steps``) are set aside in ``checkpoints/discarded/``, the
-    others deleted."""
+    others deleted.
+
+    ``in_memory``: the step of the ranks' copy before the window (``cluster.snapshots``). When no checkpoint
+    between it and the window verifies, the run resumes from that copy (nothing read; ``None`` is returned
+    for the checkpoint and ``memory_step`` is set)."""
     first, last = window
-    loaded = store.load_latest(max_step=first - 1)
-    passed = list(store.last_skipped)
-    if loaded is None and any(i.step < last for i in store.list()):
-        loaded = store.load_latest(max_step=last - 1)
-        passed += store.last_skipped
-    store.last_skipped = passed
-    resume_step = loaded.info.step if loaded is not None else 0
+    loaded = None
+    store.last_skipped = []
+    if in_memory is None or any(in_memory < s < first for s in store.steps_on_storage()):
+        loaded = store.load_latest(max_step=first - 1)
+        passed = list(store.last_skipped)
+        if loaded is None and in_memory is None and any(i.step < last for i in store.list()):
+            loaded = store.load_latest(max_step=last - 1)
+            passed += store.last_skipped
+        store.last_skipped = passed
+    if in_memory is not None and (loaded is None or loaded.info.step <= in_memory):
+        loaded = None
+    else:
+        in_memory = None
+    resume_step = loaded.info.step if loaded is not None else in_memory or 0
     off_path = store.discard_after(resume_step, keep_every=keep_every)
     aside = list(store.last_set_aside)
     return loaded, {
         "window": list(window),
         "checkpoint_step": resume_step if loaded else None,
+        "memory_step": in_memory,
         "discarded": [s for s in off_path if s not in aside],  # deleted
         "set_aside": sorted(aside),
     }

@@ -116,6 +116,34 @@ def test_a_nan_loss_rolls_back_past_its_batches_exactly_as_skipping_them_by_hand
     for k, v in want.files["model.pt"].items():
         assert torch.equal(v, latest.files["model.pt"][k]), k  # bitwise: the rollback replayed exactly
 
+    # The ranks' copies in memory (failures.nan_snapshot_steps=4; no step checkpoints, so without them each
+    # rollback would go back to the run's start or the epoch's checkpoint): copies at 8 and 12 when step
+    # 12's NaN is seen, 8 is before the window; at 28 and 32 at the epoch's end, 28 is. Nothing is read
+    # from storage for either, and the run ends bitwise equal to the hand run.
+    mem_dir = f"{tmp_path}/audit_memory"
+    os.makedirs(mem_dir)
+    memory = job(storage, "memory", mem_dir, "failures.nan_skip_steps=3", "failures.nan_snapshot_steps=4")
+    memory = [a for a in memory if not a.startswith("checkpoint.")] + ["checkpoint.every_steps=0"]
+    out = io.StringIO()
+    mem = train(load_config("jobs/configs/tiny_cpu.yaml", memory), out=out)
+    assert mem.status == "finished" and mem.global_step == 32 and mem.skipped_steps == WINDOWS
+    mem_ev = read_events(Storage(mem.run_url))
+    backs = [e for e in mem_ev if e["event"] == "rollback"]
+    assert [(r["memory_step"], r["checkpoint_step"]) for r in backs] == [(8, None), (28, None)]
+    assert [r["discarded"] for r in backs] == [[], []]  # no step checkpoints; epoch 1's (16) is before 28
+    recovered = [e for e in mem_ev if e["event"] == "recovered"]
+    assert [(r["source"], r["resume_step"], r["lost_steps"]) for r in recovered] == [
+        ("memory", 8, 4),  # from 12, where the NaN was seen, back to 8
+        ("memory", 28, 4),
+    ]
+    assert [r["storage_reads"] for r in recovered] == [0, 0]
+    assert "rolled back to step 8 (the ranks' copy in memory)" in out.getvalue()
+    got = CheckpointStore(Storage(mem.run_url)).load_latest()
+    assert got is not None and got.info.step == 32
+    for k, v in want.files["model.pt"].items():
+        assert torch.equal(v, got.files["model.pt"][k]), k  # bitwise, as from a checkpoint
+    assert account(mem.run_url).steps["recomputed"] == 8
+
     # What the hand run trained: every step but the windows', both ranks, each sample once an epoch, never
     # the corrupt one.
     by_step = trained_steps(hand_dir)

@@ -173,10 +173,38 @@ def test_a_rollback_sets_aside_the_best_and_the_milestones_after_its_point(tmp_p
         commit(store, step, loss)
     loaded, back = rollback_point(store, (35, 36), keep_every=40)  # NaN at step 35: back to step 30
     assert loaded is not None and loaded.info.step == 30
-    assert back == {"window": [35, 36], "checkpoint_step": 30, "discarded": [50], "set_aside": [40]}
+    assert back == {
+        "window": [35, 36],
+        "checkpoint_step": 30,
+        "memory_step": None,
+        "discarded": [50],
+        "set_aside": [40],
+    }
     assert store.steps_on_storage() == [10, 20, 30]
     loaded, back = rollback_point(store, (15, 16), keep_every=40)  # the best (20) is set aside
     assert back["set_aside"] == [20] and back["discarded"] == [30]
+
+
+def test_a_rollback_takes_the_ranks_copy_in_memory_when_no_checkpoint_before_the_window_is_newer(
+    tmp_path: Any,
+) -> None:
+    store, other = CheckpointStore(Storage(f"{tmp_path}/run")), CheckpointStore(Storage(f"{tmp_path}/other"))
+    for step in (10, 20, 30, 40):
+        commit(store, step)
+        commit(other, step)
+    r0, o0 = store.storage.reads, other.storage.reads
+    loaded, back = rollback_point(store, (35, 36), in_memory=33)  # a copy at 33 beats checkpoint 30
+    assert loaded is None and back["memory_step"] == 33 and back["checkpoint_step"] is None
+    assert back["discarded"] == [40] and store.steps_on_storage() == [10, 20, 30]
+    from_ckpt, _ = rollback_point(other, (35, 36))  # the same run without the copy reads checkpoint 30
+    assert from_ckpt is not None and from_ckpt.info.step == 30
+    # the checkpoint's files (and its manifest) are read only without the copy
+    assert (other.storage.reads - o0) - (store.storage.reads - r0) >= 2
+    loaded, back = rollback_point(store, (25, 26), in_memory=15)  # checkpoint 20 is newer than the copy
+    assert loaded is not None and loaded.info.step == 20
+    assert back["memory_step"] is None and back["checkpoint_step"] == 20 and back["discarded"] == [30]
+    loaded, back = rollback_point(store, (12, 12), in_memory=10)  # as new as the checkpoint: no read
+    assert loaded is None and back["memory_step"] == 10 and back["discarded"] == [20]
 
 
 def test_rewind_records_what_it_deleted_and_what_it_set_aside(tmp_path: Any) -> None:
