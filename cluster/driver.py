@@ -755,7 +755,7 @@ class Driver:
         if window is not None:
             self._rollback = window
             self.skips = merge_windows([*self.skips, window])
-        self.record.decision(decision, plan, timing.fallback)
+        self.record.decision(decision, plan, timing.fallback, window)
         if not decision.restart:
             detail = failure.error.traceback if failure.error is not None else failure.message
             return self._fail(

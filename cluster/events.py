@@ -265,11 +265,13 @@ def _decision_console(r: Fields) -> str:
     if not r.get("restart"):
         return ""  # the run's error says it
     fallback = r.get("fallback")
-    source = (
-        f"from rank {r.get('peer_source')}'s memory at step {r.get('peer_step')}"
-        if r.get("source") == "peers"
-        else "from the latest checkpoint" + (f" ({fallback})" if fallback else "")
-    )
+    window = r.get("rollback")
+    if r.get("source") == "peers":
+        source = f"from rank {r.get('peer_source')}'s memory at step {r.get('peer_step')}"
+    elif window:
+        source = f"from the newest state before step {window[0]} (the ranks' copy in memory or a checkpoint)"
+    else:
+        source = "from the latest checkpoint" + (f" ({fallback})" if fallback else "")
     return f"recovering ({r.get('reason')}) in {float(r.get('delay_s') or 0):.1f}s, {source}"
 
 
@@ -649,6 +651,9 @@ KINDS: dict[str, Kind] = _kinds(
             "reason": "why (restarts used of `failures.max_failures`, or why not)",
             "delay_s": "the backoff before the restart",
             "source": "where the restart's state comes from: `peers` or `checkpoint`",
+            "rollback": "the steps a rollback skips (`failures.nan_skip_steps`): the state is the newest "
+            "before them, the ranks' copy in memory or a checkpoint (the `rollback` event says which); "
+            "absent otherwise",
             "fallback": "why the survivors' state is not used, when it is not",
             "peer_source": "the rank that sends its state (`peers` only)",
             "peer_step": "the step that state is at",

@@ -15,6 +15,11 @@ Liveness is judged by the holder's beat counter advancing while the reader watch
 (up to ``LIVE_BEATS`` beat intervals): never by comparing two machines' clocks. A released lease, or one whose
 beat stood still that long, is taken at once by the next generation; a live one refuses the new job
 (:class:`LeaseHeldError`, exit 2) naming the holder, unless it asked to take over (``--takeover``).
+
+One shortcut: a holder that ran on this machine, in this process namespace (the lease names its kernel boot id
+and pid namespace), and whose process no longer exists (or is a zombie) is gone for certain, so the run is
+taken without watching: a driver resubmitted after a crash on the same head node starts at once. Anything less
+certain (another machine, another namespace, the pid taken by a new process) watches the beat as above.
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ class Holder:
     beat: int
     beat_s: float
     released: bool
+    machine: str = ""
+    """The kernel boot id and pid namespace the holder ran in ("" when unknown): :func:`gone_here`."""
 
     def describe(self) -> str:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
@@ -94,6 +101,7 @@ def read_holder(run: Storage, generation: int) -> Holder | None:
             beat=int(data.get("beat", 0)),
             beat_s=float(data.get("beat_s", BEAT_S)),
             released=bool(data.get("released", False)),
+            machine=str(data.get("machine", "")),
         )
     except FileNotFoundError:
         return None
@@ -132,6 +140,40 @@ def _create(run: Storage, rel: str, data: bytes) -> bool:
             return False
 
     return run.retry(f"creating {run.url(rel)}", put)
+
+
+def this_machine() -> str:
+    """This process's kernel boot id and pid namespace (Linux), "" elsewhere: two processes with the same
+    value see the same pids."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
+
+
+def _process_gone(pid: int) -> bool:
+    """Whether no process ``pid`` exists here (a zombie, killed and not yet reaped, counts as gone)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # exists, another user's
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def gone_here(holder: Holder) -> bool:
+    """The holder ran on this machine, in this pid namespace, and its process is gone: certainly not alive."""
+    mine = this_machine()
+    return bool(mine) and holder.machine == mine and holder.pid != os.getpid() and _process_gone(holder.pid)
 
 
 def is_alive(run: Storage, holder: Holder, sleep: Callable[[float], None] = time.sleep) -> bool:
@@ -186,7 +228,13 @@ class Lease:
             gens = generations(run)
             newest = gens[-1] if gens else 0
             holder = read_holder(run, newest) if newest else None
-            if holder is not None and not holder.released and not takeover:
+            if holder is not None and not holder.released and not takeover and gone_here(holder):
+                if say is not None:
+                    say(
+                        f"the run's lease was held by {holder.describe()}, whose process is gone from this "
+                        "machine: taking the run over"
+                    )
+            elif holder is not None and not holder.released and not takeover:
                 if say is not None:
                     say(
                         f"the run's lease is held by {holder.describe()}; watching its beat for up to "
@@ -215,6 +263,7 @@ class Lease:
                 "job": self.job,
                 "host": socket.gethostname(),
                 "pid": os.getpid(),
+                "machine": this_machine(),
                 "since": self.since,
                 "beat": self.beat,
                 "beat_s": self.every_s,

@@ -30,6 +30,7 @@ from cluster.peer import PeerPlan
 from cluster.policy import Decision, SlowRank
 from cluster.preemption import Move
 from cluster.redact import redact_text, redact_tree
+from cluster.schedule import Window
 from cluster.states import RecoveryTiming
 from cluster.storage import Storage
 from cluster.tracking import MlflowSink, Sink, TensorBoardSink, Tracker, WebhookSink
@@ -539,8 +540,11 @@ class RunRecord:
             survivors_kept=hang.keep_survivors if hang is not None else None,
         )
 
-    def decision(self, decision: Decision, plan: PeerPlan | None, fallback: str) -> None:
+    def decision(
+        self, decision: Decision, plan: PeerPlan | None, fallback: str, rollback: Window | None = None
+    ) -> None:
         """What the failure policy decided, and (on a restart) where the state comes from."""
+        more = {"rollback": list(rollback)} if rollback is not None and decision.restart else {}
         self.event(
             "decision",
             restart=decision.restart,
@@ -550,6 +554,7 @@ class RunRecord:
             fallback=fallback or None,
             peer_source=plan.source if plan is not None else None,
             peer_step=plan.global_step if plan is not None else None,
+            **more,
         )
 
     def recovered(self, timing: RecoveryTiming, first_step_at: float) -> None:

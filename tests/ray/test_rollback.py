@@ -138,6 +138,10 @@ def test_a_nan_loss_rolls_back_past_its_batches_exactly_as_skipping_them_by_hand
     ]
     assert [r["storage_reads"] for r in recovered] == [0, 0]
     assert "rolled back to step 8 (the ranks' copy in memory)" in out.getvalue()
+    assert (
+        "from the newest state before step 10 (the ranks' copy in memory or a checkpoint)" in out.getvalue()
+    )
+    assert [d.get("rollback") for d in mem_ev if d["event"] == "decision"] == [[10, 12], [30, 32]]
     got = CheckpointStore(Storage(mem.run_url)).load_latest()
     assert got is not None and got.info.step == 32
     for k, v in want.files["model.pt"].items():

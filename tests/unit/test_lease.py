@@ -3,6 +3,7 @@ beat stood still on the reader's own clock, and a job that was taken over can no
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -10,7 +11,16 @@ from typing import Any
 import pytest
 
 from cluster.control import DRIVER_FILE, DriverBeat
-from cluster.lease import FencedError, Lease, LeaseHeldError, current, generations
+from cluster.lease import (
+    FencedError,
+    Holder,
+    Lease,
+    LeaseHeldError,
+    current,
+    generations,
+    gone_here,
+    this_machine,
+)
 from cluster.metrics import EventLog
 from cluster.storage import Storage
 
@@ -159,3 +169,63 @@ def test_stop_goes_through_the_lease(run: Storage, capsys: pytest.CaptureFixture
     assert main(["stop", run.root, "--wait", "0"]) == 2
     assert "no job is training it (the last, job raysubmit_x" in capsys.readouterr().err
     assert not run.exists(STOP_FILE)
+
+
+HOLD = """
+import sys, time
+from cluster.lease import Lease
+from cluster.storage import Storage
+lease = Lease.take(Storage(sys.argv[1]), "crashed")
+lease.start()
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("reaped", [True, False], ids=["reaped", "zombie"])
+def test_a_holder_whose_process_is_gone_from_this_machine_is_taken_over_without_watching(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, reaped: bool
+) -> None:
+    """A driver SIGKILLed on this machine: its resubmission takes the run at once instead of watching the
+    beat stand still for 2.5 intervals (here 2.5 x 30 s: the watch alone would outlast the test's timeout)."""
+    import signal
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("CLUSTER_LEASE_BEAT_S", "30")
+    run = Storage(str(tmp_path / "run"))
+    child = subprocess.Popen([sys.executable, "-c", HOLD, run.root], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "held"
+        holder = current(run)
+        assert holder is not None and holder.pid == child.pid and holder.machine == this_machine() != ""
+        assert not gone_here(holder)  # alive: watched as before
+        os.kill(child.pid, signal.SIGKILL)
+        if reaped:
+            child.wait(timeout=30)
+        else:  # killed, not yet reaped by its parent: a zombie, still gone
+            deadline = time.monotonic() + 30
+            while not gone_here(holder) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        said: list[str] = []
+        t0 = time.monotonic()
+        new = Lease.take(run, "resubmitted", say=said.append)
+        assert time.monotonic() - t0 < 20  # the watch would take 75 s
+        assert new.generation == 2 and new.took_over is not None and new.took_over.job == "crashed"
+        assert said and "whose process is gone from this machine" in said[0]
+        new.release()
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+
+
+def test_a_holder_elsewhere_or_alive_is_watched_not_assumed_gone() -> None:
+    def holder(pid: int, machine: str) -> Holder:
+        return Holder(1, "j", "h", pid, 0.0, 0, 1.0, False, machine)
+
+    mine, no_such_pid = this_machine(), 2**22 + 12345
+    assert not gone_here(holder(os.getppid(), mine))  # alive
+    assert not gone_here(holder(no_such_pid, "another-boot:1"))  # pids there are not ours to look up
+    assert not gone_here(holder(no_such_pid, ""))  # written by an older version: watched
+    assert not gone_here(holder(os.getpid(), mine))
+    assert gone_here(holder(no_such_pid, mine))
