@@ -161,6 +161,7 @@ _TRAINING_MODULES = (
     "safe_state.py",
     "schedule.py",
     "session.py",
+    "snapshots.py",
     "stacks.py",
     "step.py",
     "storage.py",
