@@ -120,12 +120,15 @@ class Driver:
             self.storage, cfg.failures.quarantine_after, self.record.event, self._keep_off
         )
         """Nodes kept out of the run after repeated incidents (``cluster.quarantine``)."""
+        self.quarantine.room = self._room_without
         self.attempt = 0
         self.epoch = 0
         self.global_step = 0
         self.steps_per_epoch = 0
         self.world_size = 0
         self.group: WorkerGroup | None = None
+        self._placer: WorkerGroup | None = None
+        """The newest group made: asked whether a node can be spared (``_room_without``)."""
         self.mode: Mode = None
         self.failures: list[Failure] = []
         self.stopped_early = False
@@ -325,7 +328,7 @@ class Driver:
         if self.lease is not None:
             env[GENERATION_ENV] = str(self.lease.generation)
         group_cfg = dataclasses.replace(cfg, scaling=dataclasses.replace(cfg.scaling, env=env))
-        group = self.group_factory(group_cfg, self.run_url, self.attempt)
+        group = self._placer = self.group_factory(group_cfg, self.run_url, self.attempt)
         if self.quarantine.nodes:
             group.keep_off(self.quarantine.nodes)
         if s.salvage is not None:
@@ -770,6 +773,13 @@ class Driver:
             time.sleep(min(0.5, max(0.0, wake - time.monotonic())))
         self.attempt += 1
         return Starting(recovery=timing, salvage=salvage, peers=plan)
+
+    def _room_without(self, node: str) -> bool:
+        """Whether the run fits without ``node`` and the nodes already out (``scaling.min_workers`` ranks),
+        asked of the current group, or of the last one while a failed group is torn down."""
+        group = self.group or self._placer
+        need = max(1, self.cfg.effective_min_workers)
+        return group is not None and group.room_without([*self.quarantine.nodes, node], need)
 
     def _keep_off(self, nodes: list[str]) -> None:
         """A node was quarantined: the current group places nothing more there (``WorkerGroup.keep_off``)."""

@@ -852,6 +852,22 @@ KINDS: dict[str, Kind] = _kinds(
         console=True,
     ),
     Kind(
+        "node_kept_in",
+        "a node reached `failures.quarantine_after` incidents but the run cannot be placed without it (no "
+        "other node has room for `scaling.min_workers` ranks): it is not quarantined, the run goes on there",
+        {
+            "node": "its Ray node id",
+            "host": "its host or address, where known",
+            "incidents": "each incident: `kind`, `step`, `time`, `rank`",
+            "after": "`failures.quarantine_after`",
+        },
+        lambda r: f"node {str(r.get('node'))[:12]} kept in after {len(r.get('incidents') or [])} incidents: "
+        "no room without it",
+        watch=True,
+        show=True,
+        console=True,
+    ),
+    Kind(
         "node_quarantined",
         "a node reached `failures.quarantine_after` incidents (deaths, lost node, hangs, replica mismatches, "
         "slow-rank moves): no more ranks of this run go there, also after a resubmission",

@@ -211,6 +211,11 @@ class WorkerGroup(Protocol):
         """Whether the cluster has free resources for ``n`` more workers now."""
         ...
 
+    def room_without(self, nodes: list[str], n: int) -> bool:
+        """Whether the cluster could hold ``n`` ranks of this group with none on ``nodes``: the capacity of
+        every other live node, busy or not (asked before a node is quarantined: never the last room)."""
+        ...
+
     def keep_off(self, nodes: list[str]) -> None:
         """Place no rank on these (quarantined) nodes from now on: new bundles avoid them, a salvage
         re-places the ranks still there (``cluster.quarantine``). Called only once a node is quarantined."""

@@ -91,6 +91,11 @@ class Quarantine:
         """Writes an event (``RunRecord.event``: its console line too)."""
         self.on_quarantine = on_quarantine
         """Called with every quarantined node once one more is: the driver keeps its group off them."""
+        self.room: Callable[[str], bool] | None = None
+        """Whether the run can still be placed without a node (and those already out): asked before it is
+        quarantined, so the guard never takes the last room (None: nothing to ask, always room)."""
+        self.held_back: dict[str, int] = {}
+        """node -> its incident count when it was last kept in for want of room (said once per count)."""
         self.fence: Callable[[], None] | None = None
         """Called before each write: raises when this writer may no longer write (``cluster.lease``)."""
         self.records: dict[str, NodeRecord] = {}
@@ -123,7 +128,7 @@ class Quarantine:
             return False
         rec.host = rec.host or host
         rec.incidents.append(Incident(kind, step, time.time(), rank))
-        now = len(rec.incidents) >= self.after
+        now = len(rec.incidents) >= self.after and self._room_without(rec)
         if now:
             rec.quarantined_at = time.time()
         self._save()
@@ -141,6 +146,27 @@ class Quarantine:
             if self.on_quarantine is not None:
                 self.on_quarantine(self.nodes)
         return now
+
+    def _room_without(self, rec: NodeRecord) -> bool:
+        """Whether ``rec``'s node may be quarantined: the run can be placed without it. Otherwise said once
+        per incident count (a warning and a ``node_kept_in`` event) and the run goes on there."""
+        if self.room is None or self.room(rec.node):
+            return True
+        count = len(rec.incidents)
+        if self.held_back.get(rec.node) != count:
+            self.held_back[rec.node] = count
+            logger.warning(
+                "node %s has %d incidents (%s): it would be quarantined (failures.quarantine_after=%d) if the "
+                "run could be placed without it, but no other node has room for it; the run goes on there",
+                rec.describe(),
+                count,
+                ", ".join(f"{i.kind} at step {i.step}" for i in rec.incidents),
+                self.after,
+            )
+            if self.event is not None:
+                incidents = [_incident_dict(i) for i in rec.incidents]
+                self.event("node_kept_in", node=rec.node, host=rec.host, incidents=incidents, after=self.after)
+        return False
 
     def ranks(
         self, kind: str, ranks: Sequence[int], step: int, nodes: Sequence[str], hosts: Sequence[str] = ()

@@ -101,6 +101,10 @@ class RayWorkerGroup:
         """``Placement.reserve``: bundles for ``sizes[0]`` workers, or the largest smaller size granted."""
         return self.placement.reserve(sizes, wait_s, cancelled)
 
+    def room_without(self, nodes: list[str], n: int) -> bool:
+        """``Placement.room_without``: capacity for ``n`` ranks off ``nodes``."""
+        return self.placement.room_without(nodes, n)
+
     def keep_off(self, nodes: list[str]) -> None:
         """Quarantined ``nodes`` (``cluster.quarantine``): no new bundle goes there, a salvage re-places the
         ranks still there, and a hot spare there is stopped now (it would take a dead rank's place there)."""

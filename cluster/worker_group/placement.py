@@ -84,6 +84,20 @@ class Placement:
                     avail[k] = avail.get(k, 0.0) - v
         return all(avail.get(k, 0) >= v * n - 1e-9 for k, v in self.bundle().items())
 
+    def room_without(self, nodes: list[str], n: int) -> bool:
+        """Whether the live nodes other than ``nodes`` (and other than the quarantined and draining ones) can
+        hold ``n`` bundles of this group by their capacity, whatever runs there now: a node is quarantined
+        only when the run can still be placed without it (``cluster.quarantine``)."""
+        bundle = {k: v for k, v in self.bundle().items() if v > 0}
+        out = {*nodes, *self.avoid, *(draining_nodes() if self.cfg.failures.preemption else {})}
+        fits = 0
+        for node in ray.nodes():
+            if not node.get("Alive", False) or node["NodeID"] in out:
+                continue
+            have = node.get("Resources", {})
+            fits += min((int((have.get(k, 0.0) + 1e-9) // v) for k, v in bundle.items()), default=0)
+        return fits >= n
+
     def reserve(self, sizes: list[int], wait_s: float, cancelled: Callable[[], bool] | None = None) -> int:
         """Reserve bundles for ``sizes[0]`` workers, waiting up to ``wait_s``; failing that, the largest
         of the smaller ``sizes`` the cluster grants now. Raise ResourcesUnavailableError otherwise, and
@@ -126,10 +140,11 @@ class Placement:
         )
 
     def relocate(self, salvage: Salvage | None) -> Salvage | None:
-        """A salvage whose ranks run off the quarantined nodes: a kept worker on one is killed, and every
-        rank whose bundle is on one gets a bundle elsewhere (a placement group of their own, waited for up to
-        ``scaling.resource_wait_s``). None, everything killed and given back, when there is no such room or
-        no worker is left: the next group then starts anew, smaller if ``scaling.min_workers`` allows."""
+        """A salvage whose ranks run off the quarantined nodes: every rank whose bundle is on one gets a
+        bundle elsewhere (a placement group of their own, waited for up to ``scaling.resource_wait_s``) and
+        a kept worker there is killed once that room is granted. Deciding to quarantine never costs the
+        survivors' memory: with no such room, or with no survivor off those nodes to send the state, the
+        salvage is kept as it is (those ranks stay there for this attempt; said in a warning)."""
         if salvage is None or not self.avoid:
             return salvage
         res: Resources = salvage.resources
@@ -139,25 +154,28 @@ class Placement:
         moving = sorted(r for r, (pg, i) in res.slots.items() if str(tables[pg.id].get(i, "")) in self.avoid)
         if not moving:
             return salvage
+        actors = {r: a for r, a in salvage.actors.items() if r not in moving}
+        if not actors and salvage.actors:
+            logger.warning(
+                "every survivor (ranks %s) runs on a quarantined node: they are kept there for this attempt, "
+                "so that their state in memory is not lost",
+                sorted(salvage.actors),
+            )
+            return salvage
+        pg = self.request(len(moving))
+        wait_s = self.cfg.scaling.resource_wait_s
+        if not _granted(pg, wait_s, None):
+            remove_placement_group(pg)
+            logger.warning(
+                "no room off the quarantined node(s) for ranks %s within scaling.resource_wait_s=%gs: they "
+                "stay there for this attempt, every survivor kept",
+                moving,
+                wait_s,
+            )
+            return salvage
         for r in moving:
             if r in salvage.actors:
                 kill(salvage.actors[r], f"rank {r} (on a quarantined node)")
-        actors = {r: a for r, a in salvage.actors.items() if r not in moving}
-        pg = self.request(len(moving))
-        wait_s = self.cfg.scaling.resource_wait_s
-        if not actors or not _granted(pg, wait_s, None):
-            if actors:
-                logger.warning(
-                    "no room off the quarantined node(s) for ranks %s within scaling.resource_wait_s=%gs: "
-                    "the survivors are not kept, the group starts anew",
-                    moving,
-                    wait_s,
-                )
-            for r, actor in actors.items():
-                kill(actor, f"rank {r}")
-            self.adopt(dataclasses.replace(res, extra_pgs=[*res.extra_pgs, pg]))
-            self.remove()
-            return None
         slots = {**res.slots, **{r: (pg, i) for i, r in enumerate(moving)}}
         peers: Any = salvage.peers
         if peers is not None:

@@ -217,6 +217,12 @@ class ScriptedGroup:
     def available_for(self, n: int) -> bool:
         return self.world_size + n <= self.capacity[0]
 
+    room_elsewhere = True  # what room_without() answers: whether a node could be quarantined
+
+    def room_without(self, nodes: list[str], n: int) -> bool:
+        self.calls.append(f"room_without({sorted(nodes)}, {n})")
+        return ScriptedGroup.room_elsewhere
+
     def _salvage_after(self, failure: Failure) -> Salvage | None:
         if ScriptedGroup.survivors is None:
             return None

@@ -194,6 +194,34 @@ def test_the_driver_keeps_the_group_off_a_node_after_two_deaths_there_and_so_doe
     assert OnNodes.kept_off == [(0, ["node-1"])]  # its first group already keeps off the node
 
 
+def test_a_node_the_run_cannot_be_placed_without_is_never_quarantined_and_the_run_finishes() -> None:
+    """One machine: the only node. Two (three) deaths there are said, never acted on: no node kept out, the
+    survivors' state kept, the run finished as it would with the guard off."""
+    cfg = load_config(
+        data={"storage": {"url": f"memory://drv-{uuid.uuid4().hex}"}},
+        overrides=["training.epochs=2", "failures.backoff_s=0"],
+    )
+    OnNodes.kept_off = []
+    ScriptedGroup.room_elsewhere = False
+    died = Failure("worker_died", 1, "worker_died: rank 1's process died")
+    try:
+        driver = _driver(cfg, {0: [died], 1: [died], 2: [died]})
+        result = driver.run()
+    finally:
+        ScriptedGroup.room_elsewhere = True
+    assert result.status == "finished" and result.attempts == 4
+    assert OnNodes.kept_off == []  # no group was ever told to keep off a node
+    assert kinds(driver).count("node_quarantined") == 0
+    kept = [e for e in driver.events.records() if e["event"] == "node_kept_in"]
+    assert [len(e["incidents"]) for e in kept] == [2, 3] and kept[0]["node"] == "node-1"
+    assert "kept in after 2 incidents" in driver.out.getvalue()
+    # the run with the guard off ends the same way
+    off = dataclasses.replace(cfg, failures=dataclasses.replace(cfg.failures, quarantine_after=0))
+    off = dataclasses.replace(off, name=cfg.name + "-off")
+    base = _driver(off, {0: [died], 1: [died], 2: [died]}).run()
+    assert (base.status, base.attempts) == (result.status, result.attempts)
+
+
 def test_the_cli_releases_a_node_or_says_which_nodes_it_could_mean(
     tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
