@@ -156,8 +156,8 @@ class Quarantine:
         if self.held_back.get(rec.node) != count:
             self.held_back[rec.node] = count
             logger.warning(
-                "node %s has %d incidents (%s): it would be quarantined (failures.quarantine_after=%d) if the "
-                "run could be placed without it, but no other node has room for it; the run goes on there",
+                "node %s has %d incidents (%s): it would be quarantined (failures.quarantine_after=%d) if "
+                "the run could be placed without it, but no other node has room for it; the run goes on there",
                 rec.describe(),
                 count,
                 ", ".join(f"{i.kind} at step {i.step}" for i in rec.incidents),
@@ -165,7 +165,9 @@ class Quarantine:
             )
             if self.event is not None:
                 incidents = [_incident_dict(i) for i in rec.incidents]
-                self.event("node_kept_in", node=rec.node, host=rec.host, incidents=incidents, after=self.after)
+                self.event(
+                    "node_kept_in", node=rec.node, host=rec.host, incidents=incidents, after=self.after
+                )
         return False
 
     def ranks(
