@@ -157,7 +157,7 @@ class Quarantine:
             self.held_back[rec.node] = count
             logger.warning(
                 "node %s has %d incidents (%s): it would be quarantined (failures.quarantine_after=%d) if "
-                "the run could be placed without it, but no other node has room for it; the run goes on there",
+                "the run could be placed without it, but no other node has room for it; the run goes on",
                 rec.describe(),
                 count,
                 ", ".join(f"{i.kind} at step {i.step}" for i in rec.incidents),
