@@ -5,6 +5,12 @@ with the sha256 and size of each file, last and atomically. A checkpoint exists 
 does and its checksums verify; "latest" is the highest verified step, and a torn or corrupt one is skipped
 (and reported), never loaded. Retention deletes a manifest before its files. Loading uses
 ``torch.load(..., weights_only=True)``: a checkpoint is data, never code.
+
+What storage acknowledged is not taken on trust: a commit reads its checkpoint back (every file's sha256)
+before it counts, and retention reads back each checkpoint it keeps before it deletes anything older, so
+neither silent write corruption nor bit rot after a commit can leave a run without a checkpoint that
+verifies. A commit's outcome is what a reader sees: published and verifying is committed, whatever fails
+after it (retention's failure is a warning, and retention runs again at the next commit).
 """
 
 from __future__ import annotations
@@ -100,23 +106,26 @@ class CheckpointStore:
         self.last_skipped: list[tuple[int, str]] = []
         """(step, reason) of every checkpoint the last ``load_latest`` passed over, newest first."""
         self.last_quarantined: list[tuple[int, str]] = []
-        """(step, reason) of the checkpoints the last ``retain`` moved to ``checkpoints/quarantine/``."""
+        """(step, reason) of the checkpoints the last ``retain`` (or ``commit``, its own when it did not read
+        back as written) moved to ``checkpoints/quarantine/``."""
         self.last_set_aside: list[int] = []
         """Steps the last ``discard_after`` moved to ``checkpoints/discarded/`` instead of deleting."""
-        self._trusted: dict[int, str] = {}
-        """step -> checksums of a checkpoint this object wrote or verified: retention need not read it
-        again. A commit at an older step drops the newer ones (the run went back past them)."""
 
     def commit(self, step: int, files: dict[str, bytes], meta: dict[str, Any]) -> CheckpointInfo:
-        """Write every file, then the manifest last. Until the manifest lands the checkpoint does not exist.
+        """Write every file, then the manifest last, then read the checkpoint back. Until the manifest lands
+        the checkpoint does not exist; it is committed once what storage returns verifies.
 
         A manifest already at this step (a checkpoint re-written after a resume from an older one) is
-        deleted first, so no reader ever pairs the old manifest with half-written new files.
+        deleted first, so no reader ever pairs the old manifest with half-written new files. A checkpoint
+        that does not read back as written (storage acknowledged the write and kept other bytes) is moved to
+        ``checkpoints/quarantine/`` (``self.last_quarantined``) and a CheckpointError raised: the commit
+        failed, whatever storage said. StorageError when storage fails, the read-back included.
         """
         d = step_dir(step)
+        self.last_quarantined = []
         self._fenced()
-        self._trusted = {s: sig for s, sig in self._trusted.items() if s < step}
         self.storage.rm(f"{d}/{MANIFEST}")
+        self._clear_temporaries(d)
         entries = {}
         for name, data in files.items():
             self.storage.write_bytes(f"{d}/{name}", data)
@@ -128,11 +137,48 @@ class CheckpointStore:
             "files": entries,
             "committed_at": time.time(),
         }
+        body = json.dumps(manifest, indent=1).encode()
         self._fenced()  # (a takeover while the files were written)
-        self.storage.write_atomic(f"{d}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
+        self.storage.write_atomic(f"{d}/{MANIFEST}", body)
         info = CheckpointInfo(step=step, url=self.storage.url(d), manifest=manifest)
-        self._trusted[step] = _signature(info)
+        self._read_back(info, body)
         return info
+
+    def _clear_temporaries(self, d: str) -> None:
+        """Remove the temporary manifests a writer killed mid-publish left in a step folder being written
+        again (a local folder's; an object store's manifest is one PUT, with no temporary)."""
+        if not self.storage.local:
+            return
+        for name in self.storage.listdir(d):
+            if name.startswith(f"{MANIFEST}.tmp-"):
+                self.storage.rm(f"{d}/{name}")
+
+    def _read_back(self, info: CheckpointInfo, body: bytes) -> None:
+        """Read a checkpoint just written back from storage, manifest and files, and check them against
+        what was written (sha256 of each file: no deserialisation). CheckpointError, after moving it aside,
+        when storage holds other bytes."""
+        try:
+            stored: bytes | None = self.storage.read_bytes(f"{step_dir(info.step)}/{MANIFEST}")
+        except FileNotFoundError:
+            stored = None
+        why = None
+        if stored is None:
+            why = f"{info.url}/{MANIFEST} is missing right after its write"
+        elif stored != body:
+            why = f"{info.url}/{MANIFEST} reads back other bytes than were written"
+        else:
+            try:
+                self.read_verified(info)
+            except CheckpointError as exc:
+                why = str(exc)
+        if why is None:
+            return
+        why = f"the checkpoint at step {info.step} does not read back as written: {why}"
+        try:
+            self._quarantine(info.step, f"{why} (storage returns other bytes than it acknowledged)")
+        except StorageError as exc:
+            logger.warning("could not move the checkpoint at step %d aside: %s", info.step, exc)
+        raise CheckpointError(f"{why}; storage acknowledged the write but returns other bytes: not committed")
 
     def _fenced(self) -> None:
         if self.fence is not None:
@@ -197,7 +243,6 @@ class CheckpointStore:
             if len(data) != int(entry["size"]) or hashlib.sha256(data).hexdigest() != entry["sha256"]:
                 raise CheckpointError(f"{info.url}/{name} fails its checksum (torn or corrupted)")
             out[name] = data
-        self._trusted[info.step] = _signature(info)
         return out
 
     def load_latest(self, max_step: int | None = None) -> LoadedCheckpoint | None:
@@ -245,22 +290,30 @@ class CheckpointStore:
         return {name: deserialize(data) for name, data in self.read_verified(info).items()}
 
     def verifies(self, info: CheckpointInfo) -> str | None:
-        """None when the checkpoint verifies (read back now, or written or verified by this object
-        before); else why not. StorageError when it cannot be read."""
-        if self._trusted.get(info.step) == _signature(info):
-            return None
+        """None when the checkpoint verifies, read back from storage now; else why not. StorageError when it
+        cannot be read."""
         try:
             self.read_verified(info)
         except CheckpointError as exc:
             return str(exc)
         return None
 
-    def retain(self, keep_last: int, keep_best: bool = False, keep_every: int = 0) -> builtins.list[int]:
+    def retain(
+        self,
+        keep_last: int,
+        keep_best: bool = False,
+        keep_every: int = 0,
+        read_back: CheckpointInfo | None = None,
+    ) -> builtins.list[int]:
         """Keep the newest ``keep_last`` VERIFIED checkpoints, with ``keep_best`` the best-scored verified
         one (:func:`best_of`), and every one whose step is a multiple of ``keep_every`` (when positive);
         delete the other committed ones below the newest kept (manifest first, then files).
 
-        Checked from the newest down until ``keep_last`` verify: one that fails is moved to
+        Verified means now: each checkpoint counted is read back from storage in this call and its
+        checksums checked, so nothing is deleted on the strength of one that rotted since its commit. The
+        one exception is ``read_back``: the checkpoint the caller's own :meth:`commit` read back just before
+        (the writer's path), counted without a second read while its manifest is the one written. Checked
+        from the newest down until ``keep_last`` verify: one that fails is moved to
         ``checkpoints/quarantine/`` (reported in ``self.last_quarantined``), never deleted and never left
         to shadow the older ones. The checkpoints beyond those are deleted without being read. Step
         folders without a manifest older than the newest kept one are leftovers of torn writes and go too;
@@ -269,17 +322,26 @@ class CheckpointStore:
         """
         self.last_quarantined = []
         infos = self.list()
+        fresh = _key(read_back) if read_back is not None else None
+        now = {i.step for i in infos if _key(i) == fresh}  # verified in this call (or by the commit before)
+        failed: set[int] = set()  # ... or failed (and moved aside): each checkpoint is read once
+
+        def verified_now(info: CheckpointInfo) -> bool:
+            if info.step not in now and info.step not in failed:
+                (now if self._verified_or_quarantined(info) else failed).add(info.step)
+            return info.step in now
+
         kept: builtins.list[CheckpointInfo] = []
         for info in reversed(infos):
             if len(kept) >= max(1, keep_last):
                 break
-            if self._verified_or_quarantined(info):
+            if verified_now(info):
                 kept.append(info)
         if not kept:
             return []
         keep = {i.step for i in kept}
         if keep_best:
-            best = self._best_verified(infos)
+            best = _best_verified(infos, verified_now)
             if best is not None:
                 keep.add(best.step)
         if keep_every > 0:
@@ -305,14 +367,6 @@ class CheckpointStore:
         self._quarantine(info.step, why)
         return False
 
-    def _best_verified(self, infos: builtins.list[CheckpointInfo]) -> CheckpointInfo | None:
-        candidates = builtins.list(infos)
-        while (best := best_of(candidates)) is not None:
-            if self._verified_or_quarantined(best):
-                return best
-            candidates.remove(best)
-        return None
-
     def _quarantine(self, step: int, why: str) -> None:
         """Move a checkpoint that failed verification to ``checkpoints/quarantine/``: out of every reader's
         way, kept for whoever investigates."""
@@ -330,7 +384,6 @@ class CheckpointStore:
             n += 1
             dst = f"{folder}/{name}.{n}"
         self.storage.move(step_dir(step), dst, last=MANIFEST)
-        self._trusted.pop(step, None)
         return self.storage.url(dst)
 
     def _delete(self, step: int) -> None:
@@ -338,7 +391,6 @@ class CheckpointStore:
         d = step_dir(step)
         self.storage.rm(f"{d}/{MANIFEST}")  # first: a reader never sees a manifest without its files
         self.storage.rm(d, recursive=True)
-        self._trusted.pop(step, None)
 
     def discard_after(
         self,
@@ -382,6 +434,22 @@ class CheckpointStore:
 def _signature(info: CheckpointInfo) -> str:
     """What identifies a checkpoint's content: its manifest's checksums."""
     return json.dumps(info.manifest.get("files"), sort_keys=True)
+
+
+def _key(info: CheckpointInfo) -> tuple[int, str]:
+    return info.step, _signature(info)
+
+
+def _best_verified(
+    infos: builtins.list[CheckpointInfo], verified: Callable[[CheckpointInfo], bool]
+) -> CheckpointInfo | None:
+    """The best-scored checkpoint that ``verified`` accepts (it moves aside the ones that fail)."""
+    candidates = builtins.list(infos)
+    while (best := best_of(candidates)) is not None:
+        if verified(best):
+            return best
+        candidates.remove(best)
+    return None
 
 
 def load_files(info: CheckpointInfo, raw: dict[str, bytes]) -> dict[str, Any]:
@@ -493,8 +561,12 @@ class CommitRecord:
     write_s: float
     error: str | None = None
     quarantined: list[tuple[int, str]] = field(default_factory=list)
-    """(step, reason) of older checkpoints that failed verification when retention checked them, moved
-    to ``checkpoints/quarantine/`` (also when this commit itself failed later, in retention)."""
+    """(step, reason) of checkpoints that failed verification, moved to ``checkpoints/quarantine/``: older
+    ones retention checked (also when retention failed later), or this one when it did not read back as
+    written (``error`` says so)."""
+    retention_error: str | None = None
+    """Why retention failed after this commit (a warning: the commit stands, ``error`` stays None, and
+    retention runs again at the next commit)."""
 
 
 class CheckpointWriter:
@@ -582,21 +654,37 @@ class CheckpointWriter:
             self._check_loadable(host, blobs)
             if self._abandon:
                 return
-            info = self.store.commit(step, blobs, {**meta, "epoch": epoch})
+            info = self.store.commit(step, blobs, {**meta, "epoch": epoch})  # published and read back
             record.url, record.bytes = info.url, info.total_bytes
             self._write_rows(step, epoch, meta, rows, stall)
-            try:
-                self.store.retain(self.keep_last, self.keep_best, self.keep_every)
-            finally:
-                record.quarantined = list(self.store.last_quarantined)
+            self._retain(record, info)
         except Exception as exc:
             record.error = f"{type(exc).__name__}: {exc}"
+            own = [q for q in self.store.last_quarantined if q[0] == step]  # when it did not read back whole
+            record.quarantined = own
         record.write_s = time.perf_counter() - t0
         with self._lock:
             self.records.append(record)
             self.last = record
         if self.on_commit is not None:
             self.on_commit(record)
+
+    def _retain(self, record: CommitRecord, info: CheckpointInfo) -> None:
+        """Retention after a commit that read back whole. Its failure is a warning, not a failed commit:
+        the checkpoint is committed (published, and it verifies), and retention runs again at the next
+        commit; until then nothing more is deleted than before."""
+        try:
+            self.store.retain(self.keep_last, self.keep_best, self.keep_every, read_back=info)
+        except Exception as exc:  # the commit stands; anything retention raised is reported, not raised
+            record.retention_error = f"{type(exc).__name__}: {exc}"
+            logger.warning(
+                "checkpoint at step %d is committed, but retention failed after it (it runs again at the "
+                "next commit): %s",
+                record.step,
+                record.retention_error,
+            )
+        finally:
+            record.quarantined = list(self.store.last_quarantined)
 
     def _write_rows(
         self, step: int, epoch: int, meta: dict[str, Any], rows: list[dict[str, Any]], stall: float

@@ -5,21 +5,29 @@ dtype if asked, with a JSON sidecar saying where it came from."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
+import logging
+import os
 import time
 from typing import Any, Literal
 
-import fsspec
 import torch
 
-from cluster.errors import ConfigError
+from cluster.errors import ConfigError, StorageError
 from cluster.load import load_checkpoint
 from cluster.redact import redact_tree, redact_url
+from cluster.storage import Storage
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FORMATS = (".safetensors", ".pt")
+WRITE_RETRIES = 2
+"""Retries of a failed write of the exported file (a one-off command: a full disk is reported in seconds,
+not after storage's whole retry budget)."""
 
 
 def export_checkpoint(
@@ -73,13 +81,44 @@ def export_checkpoint(
         "exported_at": time.time(),
         **_task_of(ckpt.run_url, storage_options),
     }
-    remote = "://" in out and not out.startswith("file://")
-    options = (storage_options or {}) if remote else {}  # -o is for object stores, not a local file
-    with fsspec.open(out, "wb", **options) as fh:
-        fh.write(data)
-    with fsspec.open(out + ".json", "w", **options) as fh:  # last: a sidecar means the file is whole
-        fh.write(json.dumps(sidecar, indent=1, default=str))
+    _publish(out, data, json.dumps(sidecar, indent=1, default=str).encode(), storage_options)
     return sidecar
+
+
+def _publish(out: str, data: bytes, sidecar: bytes, storage_options: dict[str, Any] | None) -> None:
+    """Replace ``out`` and then its sidecar, each atomically (:meth:`Storage.write_all_atomic`): in a local
+    folder both go to temporary files there first and are renamed into place only once both are whole, so
+    a write that fails (a full disk, a file-size limit) leaves the old file and its sidecar as they were,
+    and no temporary file. On an object store each is one PUT, the file first; should the sidecar's fail
+    after the file's, the old sidecar (naming the old file's sha256) is removed. StorageError when storage
+    fails; FileNotFoundError when a local ``out``'s folder does not exist."""
+    remote = "://" in out and not out.startswith("file://")
+    folder, name = out.rsplit("/", 1) if "/" in out else (".", out)
+    options = (storage_options or {}) if remote else None  # -o is for object stores, not a local file
+    storage = Storage(folder or "/", options, retries=WRITE_RETRIES, retry_budget_s=0.0)
+    if storage.local and not os.path.isdir(storage.path):
+        raise FileNotFoundError(errno.ENOENT, "no such folder for --out", storage.path)
+    try:
+        storage.write_all_atomic({name: data, f"{name}.json": sidecar})  # the sidecar last
+    except StorageError:
+        _drop_stale_sidecar(storage, name)
+        raise
+
+
+def _drop_stale_sidecar(storage: Storage, name: str) -> None:
+    """After a failed export: remove the sidecar when it no longer names the file's sha256 (the file was
+    replaced, its sidecar not), so that no sidecar vouches for other bytes."""
+    side = f"{name}.json"
+    try:
+        body = json.loads(storage.read_bytes(side))
+        said = body.get("sha256") if isinstance(body, dict) else None
+        if said is not None and said != hashlib.sha256(storage.read_bytes(name)).hexdigest():
+            storage.rm(side)
+            logger.warning("removed %s: it named another sha256 than %s holds now", storage.url(side), name)
+    except FileNotFoundError:
+        return
+    except (StorageError, ValueError) as exc:
+        logger.warning("could not check %s against %s after the failed export: %s", side, name, exc)
 
 
 def _encode(weights: dict[str, Any], fmt: str, meta: dict[str, str]) -> tuple[bytes, list[list[str]]]:
@@ -119,8 +158,6 @@ def _shared(name: str, tied: list[list[str]]) -> bool:
 def _task_of(run_url: str, options: dict[str, Any] | None) -> dict[str, Any]:
     """The run's task and task_args from its run.json (what builds the model these weights fit), redacted
     again: a run.json of an earlier version may hold a secret-looking key's value."""
-    from cluster.storage import Storage
-
     try:
         config = json.loads(Storage(run_url, options).read_bytes("run.json"))["config"]
     except (FileNotFoundError, KeyError, ValueError):

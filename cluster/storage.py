@@ -6,6 +6,7 @@ retries with backoff and jitter for transient errors, and error messages with cr
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -294,20 +295,60 @@ class Storage:
         self.retry(f"writing {self.url(rel)}", put)
 
     def write_atomic(self, rel: str, data: bytes) -> None:
-        """Write so that readers see the old content or the new, never a torn file.
+        """Write so that readers see the old content or the new, never a torn file (:meth:`write_all_atomic`
+        of one file)."""
+        self.write_all_atomic({rel: data})
 
-        Locally: a temporary file, fsynced, then its folder fsynced (the entries of the files written
-        before it, such as a checkpoint's data files, are durable before anything names them), then the
-        rename that publishes it, then the folder again (the rename itself is durable)."""
-        if self.local:
-            tmp = f"{rel}.tmp-{os.getpid()}-{random.randrange(1 << 30)}"
-            self.write_bytes(tmp, data)
-            folder = self._p(rel).rsplit("/", 1)[0] or "/"
-            _fsync_folder(folder)
-            self.retry(f"renaming {self.url(tmp)}", lambda: self.fs.mv(self._p(tmp), self._p(rel)))
-            _fsync_folder(folder)
-        else:  # an object store's PUT is atomic: the object appears whole or not at all
-            self.write_bytes(rel, data)
+    def write_all_atomic(self, files: dict[str, bytes]) -> None:
+        """Write files so that readers see each one old or new, never torn; published in the given order.
+
+        Locally: each to a temporary file beside it, fsynced, then the folders fsynced (the entries of the
+        files written before, such as a checkpoint's data files, are durable before anything names them),
+        then the renames that publish them, then the folders again (the renames themselves are durable).
+        Every file is written before any is published, so a write that fails (a full disk) publishes none;
+        the temporary files never outlive a failure. A failed fsync after the renames is a warning, not an
+        error: the files are published, readers see them. On an object store each file is one PUT (atomic:
+        it appears whole or not at all), in order."""
+        if not self.local:
+            for rel, data in files.items():
+                self.write_bytes(rel, data)
+            return
+        tmps = {rel: f"{rel}.tmp-{os.getpid()}-{random.randrange(1 << 30)}" for rel in files}
+        folders = sorted({self._p(rel).rsplit("/", 1)[0] or "/" for rel in files})
+        try:
+            for rel, data in files.items():
+                self.write_bytes(tmps[rel], data)
+            for folder in folders:
+                self.retry(f"syncing {folder}", functools.partial(_fsync_folder, folder))
+            for rel, tmp in tmps.items():
+                rename = functools.partial(self.fs.mv, self._p(tmp), self._p(rel))
+                self.retry(f"renaming {self.url(tmp)}", rename)
+        except BaseException:  # (re-raised) whatever stopped it, the temporary files go
+            for tmp in tmps.values():
+                self._discard(tmp)
+            raise
+        for folder in folders:
+            self._sync_after(folder, ", ".join(self.url(rel) for rel in files))
+
+    def _discard(self, rel: str) -> None:
+        """Remove a temporary file a failed write left; a failure to is logged (the write's own error is what
+        the caller hears of)."""
+        try:
+            self.rm(rel)
+        except StorageError as exc:
+            logger.warning("could not remove the temporary file %s: %s", self.url(rel), exc)
+
+    def _sync_after(self, folder: str, what: str) -> None:
+        """Fsync a folder after a rename published ``what``: retried; when it keeps failing a warning, since
+        readers see what was published already (only a power cut could still undo the rename)."""
+        try:
+            self.retry(f"syncing {folder}", lambda: _fsync_folder(folder))
+        except StorageError as exc:
+            logger.warning(
+                "%s is published, but its folder could not be synced (a power cut may still undo it): %s",
+                what,
+                exc,
+            )
 
     def move(self, src: str, dst: str, last: str | None = None) -> None:
         """Move the folder ``src`` to ``dst``, which must not exist yet.
@@ -322,13 +363,13 @@ class Storage:
                 f"moving {self.url(src)} to {self.url(dst)}",
                 lambda: self.fs.mv(self._p(src), self._p(dst), recursive=True),
             )
-            _fsync_folder(parent)
-            _fsync_folder(self._p(src).rsplit("/", 1)[0] or "/")
+            for folder in (parent, self._p(src).rsplit("/", 1)[0] or "/"):
+                self._sync_after(folder, f"the move of {self.url(src)} to {self.url(dst)}")
             return
-        base = self._p(src)
+        base = self._p(src).strip("/")
         names = sorted(
-            str(p)[len(base) + 1 :]
-            for p in self.retry(f"listing {self.url(src)}", lambda: self.fs.find(base))
+            str(p).strip("/")[len(base) + 1 :]  # (some filesystems answer with a leading "/")
+            for p in self.retry(f"listing {self.url(src)}", lambda: self.fs.find(self._p(src)))
         )
         order = sorted(names, key=lambda n: n == last)  # ``last`` copied last, deleted first
         for name in order:

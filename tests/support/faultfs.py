@@ -12,6 +12,10 @@ this filesystem from fsspec's own registry, with the :class:`Faults` plan in its
 otherwise only the Nth operation fails. Writes are ``pipe_file``, ``open`` for writing and ``copy``; moves
 ``mv``; deletes ``rm``/``rm_file``. ``Faults.counts`` says how many of each kind an operation made, so a
 test can walk every injection point.
+
+Two more plans: :meth:`Faults.fail` fails the next operations of a kind on some paths (a refused delete, a
+lost connection), and :meth:`Faults.corrupt_writes` is silent write corruption: the write is acknowledged
+and storage keeps other bytes (one byte flipped) than it was given.
 """
 
 from __future__ import annotations
@@ -45,11 +49,36 @@ class Faults:
         self._down_until = 0.0
         self._down_paths = ""
         self._refuse_paths, self._refuse_left = "", 0
+        self._fail: dict[str, tuple[str, int]] = {}
+        self._corrupt_paths, self._corrupt_left = "", 0
+        self.corrupted: list[str] = []
+        """The paths whose written bytes were corrupted, in order."""
 
     def refuse_writes(self, paths: str, times: int) -> None:
         """Refuse (PermissionError: storage does not retry it) the next ``times`` writes of a path that
         contains ``paths``."""
         self._refuse_paths, self._refuse_left = paths, times
+
+    def fail(self, kind: str, paths: str, times: int = 1) -> None:
+        """Fail (a transient-looking :class:`InjectedFault`) the next ``times`` operations of ``kind`` on a
+        path that contains ``paths``."""
+        assert kind in KINDS, kind
+        self._fail[kind] = (paths, times)
+
+    def corrupt_writes(self, paths: str, times: int = 1 << 30) -> None:
+        """Silent write corruption: the next ``times`` writes of a path that contains ``paths`` succeed, but
+        storage keeps their bytes with one byte flipped (what a faulty disk, controller or gateway does)."""
+        self._corrupt_paths, self._corrupt_left = paths, times
+
+    def corrupt(self, what: str, data: bytes) -> bytes:
+        """``data`` as storage will keep it for a write of ``what``."""
+        if not self._corrupt_left or self._corrupt_paths not in what or not data:
+            return data
+        self._corrupt_left -= 1
+        self.corrupted.append(what)
+        out = bytearray(data)
+        out[len(out) // 2] ^= 0x5A
+        return bytes(out)
 
     def read_outage(self, seconds: float = math.inf, paths: str = "") -> None:
         """Fail every read (of a path containing ``paths``) for the next ``seconds``."""
@@ -65,6 +94,10 @@ class Faults:
         if kind == "write" and self._refuse_left and self._refuse_paths in what:
             self._refuse_left -= 1
             raise PermissionError(f"injected refusal: {what}")
+        paths, left = self._fail.get(kind, ("", 0))
+        if left and paths in what:
+            self._fail[kind] = (paths, left - 1)
+            raise InjectedFault(f"injected failure of {kind}: {what}")
         if self.at == (kind, self.counts[kind]):
             self.fired = True
             self.crashed = self.crash
@@ -94,11 +127,13 @@ class FaultFS(AbstractFileSystem):
     # writes
     def pipe_file(self, path: str, value: bytes, **kwargs: Any) -> None:
         self.faults.hit("write", path)
-        self.inner.pipe_file(path, value, **kwargs)
+        self.inner.pipe_file(path, self.faults.corrupt(path, value), **kwargs)
 
     def open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
-        self.faults.hit("write" if any(c in mode for c in "wax+") else "read", path)
-        return self.inner.open(path, mode, **kwargs)
+        writing = any(c in mode for c in "wax+")
+        self.faults.hit("write" if writing else "read", path)
+        fh = self.inner.open(path, mode, **kwargs)
+        return _CorruptingFile(fh, self.faults, path) if writing and "b" in mode else fh
 
     def copy(self, path1: str, path2: str, **kwargs: Any) -> None:
         self.faults.hit("write", f"{path1} -> {path2}")
@@ -147,6 +182,27 @@ class FaultFS(AbstractFileSystem):
 
     def invalidate_cache(self, path: str | None = None) -> None:
         self.inner.invalidate_cache(path)
+
+
+class _CorruptingFile:
+    """A file opened for writing whose ``write`` passes the bytes through :meth:`Faults.corrupt`; everything
+    else (``flush``, ``fileno`` for an fsync, closing) is the real file's."""
+
+    def __init__(self, fh: Any, faults: Faults, path: str) -> None:
+        self._fh, self._faults, self._path = fh, faults, path
+
+    def write(self, data: bytes) -> int:
+        return int(self._fh.write(self._faults.corrupt(self._path, bytes(data))))
+
+    def __enter__(self) -> _CorruptingFile:
+        self._fh.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._fh.__exit__(*exc)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fh, name)
 
 
 class LocalFaultFS(FaultFS):
