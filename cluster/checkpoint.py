@@ -7,10 +7,12 @@ does and its checksums verify; "latest" is the highest verified step, and a torn
 ``torch.load(..., weights_only=True)``: a checkpoint is data, never code.
 
 What storage acknowledged is not taken on trust: a commit reads its checkpoint back (every file's sha256)
-before it counts, and retention reads back each checkpoint it keeps before it deletes anything older, so
-neither silent write corruption nor bit rot after a commit can leave a run without a checkpoint that
-verifies. A commit's outcome is what a reader sees: published and verifying is committed, whatever fails
-after it (retention's failure is a warning, and retention runs again at the next commit).
+before it counts, and retention deletes nothing before the newest checkpoint it keeps was read back after
+its commit (by that commit, or by the retention itself), so neither silent write corruption nor bit rot
+after a commit can leave a run without a checkpoint that verifies. Each checkpoint is read back once in its
+lifetime in the writer's path (at its commit), not at every retention. A commit's outcome is what a
+reader sees: published and verifying is committed, whatever fails after it (retention's failure is a
+warning, and retention runs again at the next commit).
 """
 
 from __future__ import annotations
@@ -110,6 +112,10 @@ class CheckpointStore:
         back as written) moved to ``checkpoints/quarantine/``."""
         self.last_set_aside: list[int] = []
         """Steps the last ``discard_after`` moved to ``checkpoints/discarded/`` instead of deleting."""
+        self._passed: set[tuple[int, str]] = set()
+        """(step, checksums) of the checkpoints this object read back whole (its commits' read-backs,
+        retention's): retention reads the best one back once, not at every commit. Never counted for the
+        newest one a retention keeps: that one is read back after its commit, each time (:meth:`retain`)."""
 
     def commit(self, step: int, files: dict[str, bytes], meta: dict[str, Any]) -> CheckpointInfo:
         """Write every file, then the manifest last, then read the checkpoint back. Until the manifest lands
@@ -172,6 +178,7 @@ class CheckpointStore:
             except CheckpointError as exc:
                 why = str(exc)
         if why is None:
+            self._passed.add(_key(info))
             return
         why = f"the checkpoint at step {info.step} does not read back as written: {why}"
         try:
@@ -305,48 +312,40 @@ class CheckpointStore:
         keep_every: int = 0,
         read_back: CheckpointInfo | None = None,
     ) -> builtins.list[int]:
-        """Keep the newest ``keep_last`` VERIFIED checkpoints, with ``keep_best`` the best-scored verified
-        one (:func:`best_of`), and every one whose step is a multiple of ``keep_every`` (when positive);
-        delete the other committed ones below the newest kept (manifest first, then files).
+        """Keep the newest ``keep_last`` committed checkpoints from the newest one that verifies now down,
+        with ``keep_best`` the best-scored one (:func:`best_of`), and every one whose step is a multiple of
+        ``keep_every`` (when positive); delete the other committed ones below the newest kept (manifest
+        first, then files).
 
-        Verified means now: each checkpoint counted is read back from storage in this call and its
-        checksums checked, so nothing is deleted on the strength of one that rotted since its commit. The
-        one exception is ``read_back``: the checkpoint the caller's own :meth:`commit` read back just before
-        (the writer's path), counted without a second read while its manifest is the one written. Checked
-        from the newest down until ``keep_last`` verify: one that fails is moved to
-        ``checkpoints/quarantine/`` (reported in ``self.last_quarantined``), never deleted and never left
-        to shadow the older ones. The checkpoints beyond those are deleted without being read. Step
-        folders without a manifest older than the newest kept one are leftovers of torn writes and go too;
-        newer ones may be in flight and stay. Returns the deleted steps. StorageError when storage fails:
-        then nothing more is deleted.
+        Nothing is deleted before the NEWEST kept checkpoint was read back from storage and its checksums
+        checked: in this call, or ``read_back``, the checkpoint the caller's own :meth:`commit` read back
+        just before (the writer's path: no second read while its manifest is the one written). One that
+        fails is moved to ``checkpoints/quarantine/`` (``self.last_quarantined``), never deleted and never
+        left to shadow the older ones, and the next newest is read back, until one verifies; when none
+        does, nothing is deleted. So bit rot after a commit never costs the last checkpoint that verifies.
+        The older kept ones (the rest of ``keep_last``, the milestones) count on the read-back they passed
+        at their own commit (a commit that does not read back is quarantined at once), each read once in
+        its lifetime, not at every retention; the best is read back once by this object (not when this
+        object committed it), one that fails moved aside and the next best kept. A normal retention in the
+        writer's path reads no checkpoint, from a fresh process one (two with ``keep_best``, when the best
+        is not the newest). The checkpoints beyond those are deleted without being read. Step folders
+        without a manifest older than the newest kept one are leftovers of torn writes and go too; newer
+        ones may be in flight and stay. Returns the deleted steps. StorageError when storage fails: then
+        nothing more is deleted.
         """
         self.last_quarantined = []
         infos = self.list()
-        fresh = _key(read_back) if read_back is not None else None
-        now = {i.step for i in infos if _key(i) == fresh}  # verified in this call (or by the commit before)
-        failed: set[int] = set()  # ... or failed (and moved aside): each checkpoint is read once
-
-        def verified_now(info: CheckpointInfo) -> bool:
-            if info.step not in now and info.step not in failed:
-                (now if self._verified_or_quarantined(info) else failed).add(info.step)
-            return info.step in now
-
-        kept: builtins.list[CheckpointInfo] = []
-        for info in reversed(infos):
-            if len(kept) >= max(1, keep_last):
-                break
-            if verified_now(info):
-                kept.append(info)
-        if not kept:
+        newest = self._newest_verified(infos, read_back)
+        if newest is None:
             return []
-        keep = {i.step for i in kept}
+        live = [i for i in infos if i.step <= newest.step]  # the newer ones failed and were moved aside
+        keep = {i.step for i in live[-max(1, keep_last) :]}
         if keep_best:
-            best = _best_verified(infos, verified_now)
+            best = self._best_kept(live)
             if best is not None:
                 keep.add(best.step)
         if keep_every > 0:
-            keep.update(i.step for i in infos if i.step > 0 and i.step % keep_every == 0)
-        newest = kept[0].step
+            keep.update(i.step for i in live if i.step > 0 and i.step % keep_every == 0)
         quarantined = {s for s, _ in self.last_quarantined}
         deleted = []
         for step in self.steps_on_storage():
@@ -355,14 +354,36 @@ class CheckpointStore:
             found, why, present = self._manifest(step)
             if found is None and present:  # a corrupt manifest (never in flight: it is written atomically)
                 self._quarantine(step, why)
-            elif step < newest:
+            elif step < newest.step:
                 self._delete(step)
                 deleted.append(step)
         return deleted
 
+    def _newest_verified(
+        self, infos: builtins.list[CheckpointInfo], read_back: CheckpointInfo | None
+    ) -> CheckpointInfo | None:
+        """The newest of ``infos`` that verifies now: ``read_back`` (read back by its commit) when it is
+        still the one on storage, else read back here; the ones that fail, newest first, are moved aside."""
+        fresh = _key(read_back) if read_back is not None else None
+        for info in reversed(infos):
+            if _key(info) == fresh or self._verified_or_quarantined(info):
+                return info
+        return None
+
+    def _best_kept(self, live: builtins.list[CheckpointInfo]) -> CheckpointInfo | None:
+        """The best-scored of ``live`` that verifies: read back once by this object (its commit's read-back
+        counts), one that fails moved aside and the next best taken."""
+        candidates = builtins.list(live)
+        while (best := best_of(candidates)) is not None:
+            if _key(best) in self._passed or self._verified_or_quarantined(best):
+                return best
+            candidates.remove(best)
+        return None
+
     def _verified_or_quarantined(self, info: CheckpointInfo) -> bool:
         why = self.verifies(info)
         if why is None:
+            self._passed.add(_key(info))
             return True
         self._quarantine(info.step, why)
         return False
@@ -384,12 +405,17 @@ class CheckpointStore:
             n += 1
             dst = f"{folder}/{name}.{n}"
         self.storage.move(step_dir(step), dst, last=MANIFEST)
+        self._forget(step)
         return self.storage.url(dst)
+
+    def _forget(self, step: int) -> None:
+        self._passed = {k for k in self._passed if k[0] != step}
 
     def _delete(self, step: int) -> None:
         self._fenced()
         d = step_dir(step)
         self.storage.rm(f"{d}/{MANIFEST}")  # first: a reader never sees a manifest without its files
+        self._forget(step)
         self.storage.rm(d, recursive=True)
 
     def discard_after(
@@ -438,18 +464,6 @@ def _signature(info: CheckpointInfo) -> str:
 
 def _key(info: CheckpointInfo) -> tuple[int, str]:
     return info.step, _signature(info)
-
-
-def _best_verified(
-    infos: builtins.list[CheckpointInfo], verified: Callable[[CheckpointInfo], bool]
-) -> CheckpointInfo | None:
-    """The best-scored checkpoint that ``verified`` accepts (it moves aside the ones that fail)."""
-    candidates = builtins.list(infos)
-    while (best := best_of(candidates)) is not None:
-        if verified(best):
-            return best
-        candidates.remove(best)
-    return None
 
 
 def load_files(info: CheckpointInfo, raw: dict[str, bytes]) -> dict[str, Any]:

@@ -2,10 +2,16 @@
 global step, as a PNG (matplotlib, Agg).
 
 matplotlib is optional (``pip install -e '.[plot]' (from the repository root)``); without it ``plot``
-raises InspectError saying so.
+raises InspectError saying so. The PNG (a local file: ``--out``) is written to a temporary file beside it,
+then renamed over it: a plot that fails or is interrupted leaves the file it would replace whole.
 """
 
 from __future__ import annotations
+
+import logging
+import os
+import random
+from typing import Any
 
 from cluster.inspect.runs import InspectError, eval_rows, read_events, read_run_json
 from cluster.metrics import read_metrics
@@ -13,6 +19,8 @@ from cluster.storage import Storage
 
 FIGSIZE = (10.0, 4.0)
 DPI = 100
+
+logger = logging.getLogger(__name__)
 
 
 def plot_png(storage: Storage, out_path: str) -> tuple[int, int]:
@@ -88,8 +96,37 @@ def plot_png(storage: Storage, out_path: str) -> tuple[int, int]:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(out_path, dpi=DPI, format="png")  # no bbox_inches="tight": it would change the size
+        save_atomic(fig, out_path)
         width, height = fig.canvas.get_width_height()
     finally:
         plt.close(fig)
     return width, height
+
+
+def save_atomic(fig: Any, out_path: str) -> None:
+    """Save ``fig`` as a PNG at ``out_path`` (a local file): written to a temporary file in the same folder,
+    synced, then renamed over ``out_path`` (atomic), so readers see the old file or the new one, never a
+    torn PNG. The temporary file never outlives a failure. No bbox_inches="tight": it would change the size.
+    """
+    folder, base = os.path.split(os.path.abspath(out_path))
+    tmp = os.path.join(folder, f".{base}.tmp-{os.getpid()}-{random.randrange(1 << 30)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for savefig
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fig.savefig(fh, dpi=DPI, format="png")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, out_path)
+    except BaseException:  # (re-raised) whatever stopped it, the temporary file goes
+        _discard(tmp)
+        raise
+
+
+def _discard(tmp: str) -> None:
+    """Remove the temporary file of a failed save; a failure to is logged (the save's error is raised)."""
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning("could not remove the temporary file %s: %s", tmp, exc)

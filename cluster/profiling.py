@@ -10,6 +10,8 @@ and CUDA kernels on a GPU), and writes two files to ``<run>/profiles/<id>/``:
 
 Nothing is profiled otherwise: outside a request this costs one attribute read per step. The export and
 upload run in a thread of their own once the steps are recorded, off the training path.
+Both files are written atomically (``Storage.write_all_atomic``): a reader sees each whole or not at
+all.
 """
 
 from __future__ import annotations
@@ -119,8 +121,12 @@ class StepProfiler:
                 prof.export_chrome_trace(path)
                 with open(path, "rb") as fh:
                     trace = gzip.compress(fh.read(), compresslevel=6)
-            self.storage.write_bytes(f"{req.folder}/{trace_name(self.rank)}", trace)
-            self.storage.write_bytes(f"{req.folder}/{table_name(self.rank)}", (head + table).encode())
+            self.storage.write_all_atomic(  # each whole or not at all, never a torn file
+                {
+                    f"{req.folder}/{trace_name(self.rank)}": trace,
+                    f"{req.folder}/{table_name(self.rank)}": (head + table).encode(),
+                }
+            )
         except Exception as exc:  # a profile that cannot be written must not fail the training
             logger.warning(
                 "rank %d: writing the profile %s failed: %s: %s", self.rank, req.id, type(exc).__name__, exc

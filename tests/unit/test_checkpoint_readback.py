@@ -7,6 +7,9 @@
   and on object storage (``fault://`` over fsspec's memory filesystem).
 - A retention that fails after a good commit is one warning (the ``cluster`` logger), not a failed commit
   (the driver's failed-commit count stays at 0), and runs again at the next commit.
+- Retention reads back only the newest checkpoint it keeps, after its commit: in the writer's path that is
+  the commit's own read-back (each file of the new checkpoint read once, no older checkpoint read), from a
+  fresh process one read of the newest; a rotten newest is moved aside and the next newest read back.
 - A manifest published whose folder's fsync fails after the rename is committed; the fsync before the
   rename is retried like every other storage call (a StorageError when it keeps failing, never a raw
   OSError); a temporary manifest never outlives a failed publish.
@@ -20,6 +23,7 @@ import logging
 import os
 import stat
 import uuid
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -224,3 +228,87 @@ def test_a_commit_reads_its_checkpoint_back(tmp_path: Any) -> None:
     storage = Storage(f"{tmp_path}/run")
     info = CheckpointStore(storage).commit(10, files(10), {"epoch": 0})
     assert storage.reads == 3 and storage.bytes_read > info.total_bytes  # the manifest and both files
+
+
+class CountingFS:
+    """A storage's own filesystem with every file read (``cat_file``, ``open`` to read) counted by path."""
+
+    def __init__(self, fs: Any) -> None:
+        self._fs = fs
+        self.reads: Counter[str] = Counter()
+
+    def cat_file(self, path: str, *args: Any, **kwargs: Any) -> Any:
+        self.reads[path] += 1
+        return self._fs.cat_file(path, *args, **kwargs)
+
+    def open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        if not any(c in mode for c in "wax+"):
+            self.reads[path] += 1
+        return self._fs.open(path, mode, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fs, name)
+
+    def data_reads(self, storage: Storage) -> dict[int, dict[str, int]]:
+        """step -> {file: reads} of the checkpoints' data files (manifests left out: retention lists them)."""
+        out: dict[int, dict[str, int]] = {}
+        base = storage.path.rstrip("/") + "/"
+        for path, n in self.reads.items():
+            rel = str(path)[len(base) :] if str(path).startswith(base) else str(path).lstrip("/")
+            parts = rel.split("/")
+            if len(parts) == 3 and parts[1].startswith("step_") and parts[2] != MANIFEST:
+                out.setdefault(int(parts[1][5:]), {})[parts[2]] = n
+        return out
+
+
+def counting(storage: Storage) -> CountingFS:
+    fs = CountingFS(storage.fs)
+    storage.fs = fs  # type: ignore[assignment]
+    return fs
+
+
+def scored_state(step: int, loss: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    return {"score": {"metric": "loss", "mode": "min", "value": loss}}, state(step)
+
+
+def test_a_commit_and_its_retention_read_the_new_checkpoint_once_and_no_older_one(root: str) -> None:
+    """keep_last=3 with the best kept: a commit costs its own read-back, retention adds no read."""
+    storage = Storage(root)
+    writer = CheckpointWriter(CheckpointStore(storage), keep_last=3, keep_best=True, async_save=False)
+    for step, loss in [(10, 0.1), (20, 0.5), (30, 0.4), (40, 0.3)]:
+        writer.save(step, 0, *scored_state(step, loss))
+    fs = counting(storage)
+    writer.save(50, 0, *scored_state(50, 0.2))
+    (record,) = writer.drain()[-1:]
+    assert record.error is None and record.retention_error is None, record
+    assert fs.data_reads(storage) == {50: {"model.pt": 1, "train_state.pt": 1}}
+    assert CheckpointStore(storage).steps_on_storage() == [10, 30, 40, 50]  # 10: the best; 20 deleted
+    assert verified(storage) == [10, 30, 40, 50]
+
+
+def test_retention_from_a_fresh_process_reads_back_the_newest_once(root: str) -> None:
+    storage = Storage(root)
+    for step in (10, 20, 30, 40):
+        CheckpointStore(storage).commit(step, files(step), {"epoch": 0})
+    fs = counting(storage)
+    assert CheckpointStore(storage).retain(keep_last=3) == [10]
+    assert fs.data_reads(storage) == {40: {"model.pt": 1, "train_state.pt": 1}}
+
+
+def test_bit_rot_in_the_newest_is_read_back_and_a_verified_one_is_left(root: str) -> None:
+    """The run resumed from 20 after 30 rotted: the writer's retention reads 30 back (it is newer than the
+    commit just read back), moves it aside, and keeps 25, which its commit read back; 10 and 20 are never
+    read, and a verified checkpoint is left."""
+    storage = Storage(root)
+    for step in (10, 20, 30):
+        CheckpointStore(storage).commit(step, files(step), {"epoch": 0})
+    flip_byte(storage, f"{step_dir(30)}/model.pt")
+    fs = counting(storage)
+    writer = CheckpointWriter(CheckpointStore(storage), keep_last=1, async_save=False)
+    writer.save(25, 0, {}, state(25))
+    (record,) = writer.drain()
+    assert record.error is None and [s for s, _ in record.quarantined] == [30]
+    assert fs.data_reads(storage) == {25: {"model.pt": 1, "train_state.pt": 1}, 30: {"model.pt": 1}}
+    assert verified(storage) == [25] and CheckpointStore(storage).steps_on_storage() == [25]
+    loaded = CheckpointStore(Storage(root)).load_latest()
+    assert loaded is not None and loaded.info.step == 25 and loaded.skipped == []
