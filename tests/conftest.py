@@ -4,10 +4,12 @@ of its own: the default /tmp/ray is shared with anything else on the machine."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -26,38 +28,107 @@ if REPO not in sys.path:
 from tests.support.storage import moto_s3  # noqa: E402, F401  (a real moto_server S3 on loopback)
 
 TIERS = ("unit", "multiprocess", "ray", "cluster", "gpu")  # one folder of tests/ each
+FAST_TIERS = ("unit", "multiprocess")
+"""Tiers in ``pytest -m fast`` (tests/README.md), but for their tests marked ``slow``; the smoke tests of
+tests/ray/test_smoke.py say ``fast`` themselves."""
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` selects by marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark each test with its folder's tier, unless it names a tier itself (a test in tests/ray that starts
-    no Ray says ``multiprocess``)."""
+    no Ray says ``multiprocess``), and with ``fast`` when its tier is in the fast tier and it is not slow."""
     tests_dir = os.path.join(REPO, "tests")
     for item in items:
         folder = os.path.relpath(str(item.path), tests_dir).split(os.sep)[0]
         if folder in TIERS and not any(item.get_closest_marker(tier) for tier in TIERS):
             item.add_marker(folder)
+        tier = next((t for t in TIERS if item.get_closest_marker(t)), None)
+        if tier in FAST_TIERS and not item.get_closest_marker("slow"):
+            item.add_marker("fast")
+
+
+class SessionRay:
+    """One real local Ray (4 CPUs) for every test of the session that asks for ``ray_local``: started when
+    first asked for, checked healthy before each module that uses it (alive, every CPU free again: nothing a
+    test leaked holds resources) and started anew when a test broke it; shut down before a test that does
+    not use it (it may start a Ray of its own: an embedded one, a cluster), and at the session's end."""
+
+    def __init__(self) -> None:
+        self.temp: str | None = None
+
+    def ensure(self) -> None:
+        import ray
+
+        if ray.is_initialized() and self.temp is not None and self.healthy():
+            return
+        self.stop()
+        if ray.is_initialized():
+            ray.shutdown()  # a Ray some other fixture left: not ours to keep
+        self.temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")
+        ray.init(
+            num_cpus=4,
+            include_dashboard=False,
+            _temp_dir=self.temp,
+            configure_logging=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}},
+        )
+
+    def healthy(self, wait_s: float = 15.0) -> bool:
+        """Every node alive and every CPU free (actors and placement groups a test ended are given back
+        within seconds); False if not within ``wait_s``."""
+        import ray
+
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                alive = all(n.get("Alive") for n in ray.nodes())
+                total, free = ray.cluster_resources(), ray.available_resources()
+            except Exception as exc:  # a Ray that no longer answers: started anew by the caller
+                logging.getLogger("cluster.tests").warning("the session's Ray does not answer: %s", exc)
+                return False
+            if alive and free.get("CPU", 0.0) >= total.get("CPU", 0.0) - 1e-6:
+                return True
+            if time.monotonic() > deadline:
+                logging.getLogger("cluster.tests").warning(
+                    "the session's Ray is not clean (free %s of %s): starting it anew", free, total
+                )
+                return False
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        import ray
+
+        if self.temp is None:
+            return
+        if ray.is_initialized():
+            ray.shutdown()
+        shutil.rmtree(self.temp, ignore_errors=True)
+        self.temp = None
+
+
+@pytest.fixture(scope="session")
+def session_ray() -> Iterator[SessionRay]:
+    owner = SessionRay()
+    try:
+        yield owner
+    finally:
+        owner.stop()
 
 
 @pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    """A real local Ray with 4 CPUs, shut down after the module."""
-    import ray
+def ray_local(session_ray: SessionRay) -> None:
+    """The session's real local Ray with 4 CPUs (:class:`SessionRay`), healthy when the module starts."""
+    session_ray.ensure()
 
-    temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        _temp_dir=temp,
-        configure_logging=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}},
-    )
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp, ignore_errors=True)
+
+@pytest.fixture(autouse=True)
+def _no_session_ray_unless_asked(request: pytest.FixtureRequest) -> None:
+    """A test that does not use ``ray_local`` gets no Ray in this process (it may start its own)."""
+    if "ray_local" in request.fixturenames or "ray" not in sys.modules:
+        return
+    owner = request.getfixturevalue("session_ray")
+    owner.stop()
 
 
 @pytest.fixture

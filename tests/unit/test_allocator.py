@@ -13,6 +13,7 @@ import textwrap
 import pytest
 
 pytestmark = [
+    pytest.mark.multiprocess,  # starts processes
     pytest.mark.timeout(60),
     pytest.mark.skipif(
         not sys.platform.startswith("linux") or ctypes.util.find_library("c") is None, reason="glibc only"

@@ -169,6 +169,7 @@ def _cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])  # utime + stime
 
 
+@pytest.mark.multiprocess  # starts a process
 @pytest.mark.timeout(60)
 def test_freezer_stops_a_process_and_its_children_and_thaws_them() -> None:
     try:

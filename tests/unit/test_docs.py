@@ -75,6 +75,7 @@ def test_stale_reference_is_detected_and_rewritten() -> None:
         docs.replace("# a README without the markers\n")
 
 
+@pytest.mark.multiprocess  # starts a process
 def test_docs_config_command_prints_and_writes_the_block(tmp_path: pathlib.Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "cluster", "docs-config"], cwd=REPO, capture_output=True, text=True, timeout=50
@@ -194,6 +195,7 @@ def test_events_doc_is_what_the_catalogue_generates() -> None:
     )
 
 
+@pytest.mark.multiprocess  # starts a process
 def test_events_reference_has_one_row_per_kind_and_is_rewritten_when_stale(tmp_path: pathlib.Path) -> None:
     from cluster.events import KINDS
 

@@ -30,6 +30,7 @@ class CountingStorage(Storage):
         super().write_atomic(rel, data)
 
 
+@pytest.mark.multiprocess  # starts a process
 def test_append_costs_o1_bytes_and_every_reader_sees_one_stream(tmp_path: pathlib.Path) -> None:
     storage = CountingStorage(str(tmp_path / "run"))
     log = EventLog(storage, segment_events=50)

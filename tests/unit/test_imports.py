@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(60)]  # starts processes
 
 
 def test_a_worker_imports_neither_the_driver_nor_pyarrow_and_the_api_still_resolves() -> None:

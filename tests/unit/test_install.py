@@ -10,7 +10,7 @@ import sys
 import pytest
 import tomllib
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]  # starts processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEV_ONLY = ("pytest", "ruff", "mypy", "moto", "s3fs", "matplotlib", "mlflow", "tensorboard")

@@ -182,6 +182,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.multiprocess  # starts a process
 @pytest.mark.parametrize("reaped", [True, False], ids=["reaped", "zombie"])
 def test_a_holder_whose_process_is_gone_from_this_machine_is_taken_over_without_watching(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch, reaped: bool

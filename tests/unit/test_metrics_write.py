@@ -57,6 +57,7 @@ def test_rows_round_trip_with_nulls_nan_and_text(tmp_path) -> None:
                 assert g == w, (name, w, g)
 
 
+@pytest.mark.multiprocess  # starts a process
 def test_writing_metrics_does_not_import_pandas(tmp_path) -> None:
     # pa.array would import pandas in the driver at the first epoch end, while the workers train.
     code = (

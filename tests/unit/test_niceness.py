@@ -15,6 +15,7 @@ import textwrap
 import pytest
 
 pytestmark = [
+    pytest.mark.multiprocess,  # starts processes
     pytest.mark.timeout(60),
     pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux"),
 ]

@@ -72,6 +72,7 @@ def test_a_model_state_the_safe_loader_refuses_is_named_in_model_pt(tmp_path: An
         check_writable(model, opt, None, RunPosition.start(config(tmp_path)), 1, 0, "t:T")
 
 
+@pytest.mark.multiprocess  # starts a process
 def test_the_dry_run_refuses_it_too(tmp_path: Any) -> None:
     cfg = config(tmp_path, "task=tests.support.tasks:NumpyLRTask", "task_args={}")
     with pytest.raises(DryRunError, match=NUMPY_LR):
