@@ -500,11 +500,17 @@ def _running_run(args: argparse.Namespace, options: dict[str, Any]) -> tuple[Any
     driver is gone); None when one can."""
     from cluster.control import driver_seen
     from cluster.lease import current as current_lease
+    from cluster.lease import gone_here
 
     storage = inspect.open_run(args.url, args.name, options)
     status = inspect.live_status(storage, inspect.read_events(storage))
     holder = current_lease(storage)  # who writes the run (cluster.lease): runs of earlier versions have none
     if holder is not None:
+        if not holder.released and gone_here(holder):
+            return storage, (
+                f"{storage.root} is interrupted: its driver, {holder.describe()}, is gone from this machine; "
+                "no job is training it"
+            )
         if not holder.released:
             return storage, None
         shown = status if status not in (inspect.RUNNING, inspect.UNFINISHED) else "not training"

@@ -760,12 +760,13 @@ class Driver:
             self.skips = merge_windows([*self.skips, window])
         self.record.decision(decision, plan, timing.fallback, window)
         if not decision.restart:
+            from cluster.inspect.runs import resume_advice  # what a rerun does, from what storage holds
+
             detail = failure.error.traceback if failure.error is not None else failure.message
             return self._fail(
                 TrainingFailedError(
-                    f"{decision.reason}. Last failure ({failure.kind}, rank "
-                    f"{failure.rank}):\n{detail}\nCheckpoints are intact in "
-                    f"{self.run_url}/checkpoints; rerun the same job to resume."
+                    f"{decision.reason}. {resume_advice(self.storage)}\nLast failure ({failure.kind}, rank "
+                    f"{failure.rank}):\n{detail}"
                 )
             )
         wake = time.monotonic() + decision.delay_s

@@ -170,10 +170,16 @@ def _process_gone(pid: int) -> bool:
         return False
 
 
+def pid_gone_here(machine: str, pid: int) -> bool:
+    """Process ``pid``, recorded with ``machine`` (its :func:`this_machine`), ran on this machine, in this pid
+    namespace, and is gone (or a zombie): certainly not alive. False whenever that is not certain."""
+    mine = this_machine()
+    return bool(mine) and machine == mine and pid != os.getpid() and _process_gone(pid)
+
+
 def gone_here(holder: Holder) -> bool:
     """The holder ran on this machine, in this pid namespace, and its process is gone: certainly not alive."""
-    mine = this_machine()
-    return bool(mine) and holder.machine == mine and holder.pid != os.getpid() and _process_gone(holder.pid)
+    return pid_gone_here(holder.machine, holder.pid)
 
 
 def is_alive(run: Storage, holder: Holder, sleep: Callable[[float], None] = time.sleep) -> bool:
@@ -284,7 +290,8 @@ class Lease:
         try:
             self.check()
             self.beat += 1
-            self.run.write_bytes(_name(self.generation), self._body(released=False))
+            # atomic: a reader that met a half-written file would take the live holder for gone
+            self.run.write_atomic(_name(self.generation), self._body(released=False))
         except FencedError:
             self._stop.set()
         except StorageError as exc:  # storage down: the next beat tries again
@@ -303,7 +310,7 @@ class Lease:
         try:
             self.check()
             self.beat += 1
-            self.run.write_bytes(_name(self.generation), self._body(released=True))
+            self.run.write_atomic(_name(self.generation), self._body(released=True))
         except StorageError as exc:
             logger.warning("could not release the run's lease (the next job waits for it): %s", exc)
 

@@ -36,6 +36,7 @@ import sys
 from cluster import ClusterError, ConfigError, JobConfig, load_config, local_ray, train
 from cluster.api import ensure_ray, preflight, result_to_json
 from cluster.lease import LeaseHeldError
+from cluster.storage import join, normalize_url
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -104,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         started = ensure_ray(cfg)
     except ConfigError as exc:  # RAY_ADDRESS names no reachable cluster
         return _refuse(f"config error: {exc}")
+    # Every rank's error reaches the user through the driver, once: a failure event and its one line. When
+    # several ranks fail alike, the driver acts on the first and drops the calls of the others unread; Ray
+    # would print each of those again, as an "Unhandled error" traceback, once it is freed. Ray's own
+    # switch for those reports, set in this process only (after Ray started: not inherited by its workers).
+    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
 
     # Outside `train` (which stops cleanly on a first signal), SIGTERM becomes an exception so the
     # finally-blocks kill the workers; committed checkpoints are never touched. Installed after ray.init,
@@ -121,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     except ClusterError as exc:
-        print(f"training failed: {exc}", file=sys.stderr)
+        print(f"training failed: {_one_line(exc, cfg)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(
@@ -196,6 +202,16 @@ def _readable(path: str) -> str:
     if os.path.exists(path) and not os.access(path, os.R_OK):
         raise ConfigError(f"--config {path!r} cannot be read (permissions); pass a readable YAML file")
     return path
+
+
+def _one_line(exc: BaseException, cfg: JobConfig) -> str:
+    """The error's first line, which says what failed and what a rerun does; the rest (the last failure's
+    traceback) is in the run's failure event, which the line points to."""
+    first, _, rest = str(exc).strip().partition("\n")
+    if not rest.strip():
+        return first
+    run = join(normalize_url(cfg.storage.url), cfg.name)
+    return f"{first} (the last failure's traceback: its failure event in {run}/events)"
 
 
 def _refuse(text: str) -> int:

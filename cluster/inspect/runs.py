@@ -9,19 +9,25 @@ from __future__ import annotations
 
 import bisect
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from cluster.checkpoint import CheckpointInfo, CheckpointStore, best_of, score_of
 from cluster.control import DRIVER_GONE_S, driver_seen
 from cluster.errors import CheckpointError, ClusterError, StorageError
+from cluster.lease import current as current_lease
+from cluster.lease import gone_here
 from cluster.metrics import COMMIT_ROWS, concat_metrics, read_event_log, read_metric_parts
 from cluster.storage import Storage, join, normalize_url
+
+logger = logging.getLogger(__name__)
 
 FINISHED, FAILED, UNFINISHED = "finished", "failed", "running/interrupted"
 RUNNING, INTERRUPTED = "running", "interrupted"
 """Unfinished, told apart by the driver's ``driver.json`` (``cluster.control.DriverBeat``): written within
-``DRIVER_GONE_S``, or not. Runs from before it stay ``running/interrupted``."""
+``DRIVER_GONE_S``, or not; and ``interrupted`` at once when the run's lease names a driver on this machine
+whose process is gone. Runs from before both stay ``running/interrupted``."""
 STOPPED = "stopped"
 """Stopped on request (Ctrl-C, ``ray job stop``, ``python -m cluster stop``) with a checkpoint: resumable."""
 
@@ -222,14 +228,31 @@ def run_status(events: list[dict[str, Any]]) -> str:
 
 
 def live_status(storage: Storage, events: list[dict[str, Any]]) -> str:
-    """``run_status``, with an unfinished run told ``running`` or ``interrupted`` by its driver's beat."""
+    """``run_status``, with an unfinished run told ``running`` or ``interrupted`` by its driver's beat, and at
+    once ``interrupted`` when the driver holding the run's lease ran on this machine and its process is gone
+    (``cluster.lease.gone_here``: a SIGKILLed driver's driver.json still looks fresh for a while)."""
     status = run_status(events)
     if status != UNFINISHED:
         return status
     seen = driver_seen(storage)
-    if seen is None:
-        return UNFINISHED
-    return RUNNING if not seen.get("ended") and seen["age_s"] < DRIVER_GONE_S else INTERRUPTED
+    if seen is not None and (seen.get("ended") or seen["age_s"] >= DRIVER_GONE_S):
+        return INTERRUPTED
+    if driver_gone_here(storage):
+        return INTERRUPTED
+    return UNFINISHED if seen is None else RUNNING
+
+
+def driver_gone_here(storage: Storage) -> bool:
+    """Whether the job holding the run's lease (its driver) ran on this machine and its process is gone;
+    False when that is not certain (another machine, a lease that cannot be read)."""
+    try:
+        holder = current_lease(storage)
+    except StorageError as exc:
+        logger.warning(
+            "could not read the lease of %s, status judged by driver.json alone: %s", storage.root, exc
+        )
+        return False
+    return holder is not None and not holder.released and gone_here(holder)
 
 
 def count_attempts(events: list[dict[str, Any]]) -> int:
@@ -289,6 +312,30 @@ def checkpoint_rows(storage: Storage, verify: str = "latest") -> list[Checkpoint
                 CheckpointRow(step, None, None, 0, 0, False, "no manifest: torn or in progress, never loaded")
             )
     return sorted(rows, key=lambda r: r.step)
+
+
+def resume_advice(storage: Storage) -> str:
+    """What rerunning the same job does, from what storage holds now (one sentence, for a failed run's
+    message): resume from the newest checkpoint that verifies, naming its step, or start from step 0 when
+    none does."""
+    where = storage.url("checkpoints")
+    store = CheckpointStore(storage)
+    try:
+        infos = store.list()
+        newest = next((i.step for i in reversed(infos) if store.verifies(i) is None), None)
+    except StorageError as exc:
+        return (
+            f"The checkpoints in {where} could not be read now ({exc}); once storage answers, rerunning the "
+            "same job resumes from the newest that verifies."
+        )
+    if newest is not None:
+        return f"Checkpoints are intact in {where}; rerun the same job to resume from step {newest}."
+    if infos:
+        return (
+            f"None of the {len(infos)} checkpoint(s) in {where} verifies: rerunning the same job starts from "
+            "step 0."
+        )
+    return "The run wrote no checkpoint: rerunning the same job starts from step 0."
 
 
 def _score_text(info: CheckpointInfo) -> str | None:
