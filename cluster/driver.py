@@ -55,6 +55,7 @@ from cluster.errors import (
 )
 from cluster.group import EpochResult, GroupFactory, Salvage, SetupInfo, StartCancelled, WorkerGroup
 from cluster.hang import hang_failure
+from cluster.inspect.runs import resume_advice
 from cluster.lease import GENERATION_ENV, FencedError, Lease
 from cluster.moves import Cancel, Decision, GrowNow, MoveWatch, Prepare, StopFor
 from cluster.peer import PeerPlan, plan_recovery
@@ -236,8 +237,7 @@ class Driver:
             logger.exception("the run fails while %s", state.describe())
             return self._fail(
                 TrainingFailedError(
-                    f"{type(exc).__name__} while {state.describe()}: {exc}. Checkpoints are intact in "
-                    f"{self.run_url}/checkpoints; rerun the same job to resume."
+                    f"{type(exc).__name__} while {state.describe()}: {exc}. {resume_advice(self.storage)}"
                 )
             )
 
@@ -760,8 +760,6 @@ class Driver:
             self.skips = merge_windows([*self.skips, window])
         self.record.decision(decision, plan, timing.fallback, window)
         if not decision.restart:
-            from cluster.inspect.runs import resume_advice  # what a rerun does, from what storage holds
-
             detail = failure.error.traceback if failure.error is not None else failure.message
             return self._fail(
                 TrainingFailedError(

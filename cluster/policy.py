@@ -42,7 +42,7 @@ class FailurePolicy:
             return Decision(
                 False,
                 f"a configuration error, found on rank {failure.error.rank} while training: "
-                f"{failure.error.message}. Retrying cannot help: fix it, then rerun the same job to resume",
+                f"{failure.error.message}. Retrying cannot help: fix it, then rerun the same job",
             )
         if (
             failure.kind == "user_error"
