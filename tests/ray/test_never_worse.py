@@ -146,3 +146,26 @@ def test_random_ranks_killed_ten_times_at_four_ranks_on_one_node_finish_bitwise(
     run_url = run_with_kills(str(tmp_path), "ten", ranks, *four, "failures.max_failures=10", gap_s=0.3)
     assert_every_recovery_from_peers(run_url, 10)
     assert_bitwise_equal(final(run_url, 60), final(ref.run_url, 60))
+
+
+def test_a_slow_rank_told_to_move_on_one_node_stays_and_the_run_ends_as_without_the_guard(
+    reference: dict, tmp_path: object
+) -> None:
+    """``failures.slow_rank_action=move`` with nowhere to go (one node): the move is said to fail, the rank
+    stays, nothing is restarted, nothing recomputed, the run ends bitwise where it ends without faults."""
+    cfg = load_config(
+        "jobs/configs/tiny_cpu.yaml",
+        job(
+            f"{tmp_path}/runs",
+            "slowmove",
+            "failures.inject=[{rank: 1, step: 4, kind: slow}]",
+            "failures.slow_rank_action=move",
+            "failures.hang_timeout_floor_s=20",  # heartbeats every second
+        ),
+    )
+    result = train(cfg, out=io.StringIO())
+    assert result.status == "finished" and result.attempts == 1, result.failures
+    assert [e["rank"] for e in events(result.run_url, "slow_rank")] == [1]
+    assert _read(result.run_url, "slow_rank_moved") == [] and _read(result.run_url, "node_quarantined") == []
+    assert _read(result.run_url, "recovered") == []
+    assert_bitwise_equal(final(result.run_url), reference)

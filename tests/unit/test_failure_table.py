@@ -67,6 +67,42 @@ ROWS: dict[str, list[str]] = {
 }
 
 
+GUARDS: dict[str, list[str]] = {
+    # Each guard or policy, and its tests on ONE node (a local Ray) with the defaults where it fires: the run
+    # finishes and ends no worse than without the guard (not failed, no more steps recomputed, the state
+    # from memory rather than storage). Bound here so that a guard cannot lose its test unnoticed.
+    "quarantine (lemon nodes)": [
+        "tests/ray/test_never_worse.py::test_the_same_rank_killed_three_times_on_one_node_recovers_from_peers_each_time_bitwise",
+        "tests/ray/test_never_worse.py::test_random_ranks_killed_ten_times_at_four_ranks_on_one_node_finish_bitwise",
+        "tests/unit/test_quarantine.py::test_a_node_the_run_cannot_be_placed_without_is_never_quarantined_and_the_run_finishes",
+    ],
+    "replica guard": [
+        "tests/ray/test_replica.py::test_a_flipped_bit_is_found_rolled_back_and_the_run_ends_bitwise_equal",
+    ],
+    "hang suspects": [
+        "tests/ray/test_hang_peers.py::test_a_hung_rank_is_replaced_and_the_three_others_keep_their_processes",
+    ],
+    "slow-rank moves": [
+        "tests/ray/test_never_worse.py::test_a_slow_rank_told_to_move_on_one_node_stays_and_the_run_ends_as_without_the_guard",
+        "tests/unit/test_driver_moves.py::test_a_slow_rank_with_nowhere_to_go_stays_and_is_only_reported",
+    ],
+    "preemption moves": [
+        "tests/unit/test_driver_moves.py::test_no_room_and_min_workers_rule_out_shrinking_so_the_same_ranks_go_on",
+    ],
+    "NaN rollback": [
+        "tests/ray/test_rollback.py::test_a_nan_loss_rolls_back_past_its_batches_exactly_as_skipping_them_by_hand",
+    ],
+    "hot spare": [
+        "tests/ray/test_faults.py::test_hot_spare_replaces_a_killed_worker",
+        "tests/ray/test_faults.py::test_a_hot_spare_still_preparing_takes_the_dead_rank_s_place",
+    ],
+    "lease": [
+        "tests/ray/test_driver_kill_rows.py::test_a_killed_driver_s_rows_are_on_storage_and_the_resubmission_completes_them",
+        "tests/ray/test_driver_kill_cleanup.py::test_a_killed_driver_leaves_no_process_of_its_ray_and_the_run_is_interrupted_at_once",
+    ],
+}
+
+
 def readme_rows() -> list[str]:
     text = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
     section = text.split("## Failure handling", 1)[1].split("\n## ", 1)[0]
@@ -83,7 +119,7 @@ def test_every_row_of_the_readme_failure_table_names_its_tests() -> None:
     )
 
 
-@pytest.mark.parametrize("node", sorted({n for ids in ROWS.values() for n in ids}))
+@pytest.mark.parametrize("node", sorted({n for ids in [*ROWS.values(), *GUARDS.values()] for n in ids}))
 def test_each_named_test_exists(node: str) -> None:
     path, name = node.split("::")
     tree = ast.parse(open(os.path.join(REPO, path), encoding="utf-8").read())
