@@ -5,7 +5,6 @@ dtype if asked, with a JSON sidecar saying where it came from."""
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import io
 import json
@@ -91,13 +90,13 @@ def _publish(out: str, data: bytes, sidecar: bytes, storage_options: dict[str, A
     a write that fails (a full disk, a file-size limit) leaves the old file and its sidecar as they were,
     and no temporary file. On an object store each is one PUT, the file first; should the sidecar's fail
     after the file's, the old sidecar (naming the old file's sha256) is removed. StorageError when storage
-    fails; FileNotFoundError when a local ``out``'s folder does not exist."""
+    fails. A local ``out``'s folder is made when missing."""
     remote = "://" in out and not out.startswith("file://")
     folder, name = out.rsplit("/", 1) if "/" in out else (".", out)
     options = (storage_options or {}) if remote else None  # -o is for object stores, not a local file
     storage = Storage(folder or "/", options, retries=WRITE_RETRIES, retry_budget_s=0.0)
-    if storage.local and not os.path.isdir(storage.path):
-        raise FileNotFoundError(errno.ENOENT, "no such folder for --out", storage.path)
+    if storage.local:
+        os.makedirs(storage.path, exist_ok=True)  # as before: the folder of --out is made when missing
     try:
         storage.write_all_atomic({name: data, f"{name}.json": sidecar})  # the sidecar last
     except StorageError:
