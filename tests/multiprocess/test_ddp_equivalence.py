@@ -10,6 +10,7 @@ from tests.multiprocess.mp_helpers import run_workers, tiny_config
 pytestmark = pytest.mark.timeout(240)
 
 
+@pytest.mark.slow  # > 10 s on 2 cores: full suite only
 def test_two_workers_equal_one_process_on_the_same_global_batch(tmp_path: object) -> None:
     # SGD, not Adam: Adam's update is invariant to the gradient's scale and would hide a scaling bug.
     overrides = [
@@ -56,6 +57,7 @@ def test_gradients_identical_across_ranks(tmp_path: object) -> None:
     assert any(float(g.abs().sum()) > 0 for g in g0.values())
 
 
+@pytest.mark.slow  # > 10 s on 2 cores: full suite only
 def test_grad_accumulation_matches_single_big_batch(tmp_path: object) -> None:
     base = [
         "training.max_steps_per_epoch=4",

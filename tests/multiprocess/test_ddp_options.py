@@ -112,6 +112,7 @@ def _run_bare(world: int, cfg: JobConfig, out: Path) -> list[dict[str, torch.Ten
     return [torch.load(out / f"bare{r}.pt") for r in range(world)]
 
 
+@pytest.mark.slow  # > 10 s on 2 cores: full suite only
 @pytest.mark.parametrize("batchnorm", [False, True], ids=["no-buffers", "batchnorm-buffers"])
 def test_worker_is_bitwise_a_hand_written_ddp_loop_on_a_map_style_dataset(
     tmp_path: Path, batchnorm: bool
@@ -139,6 +140,7 @@ def _cxx_missing() -> bool:
     return shutil.which(os.environ.get("CXX", "g++")) is None
 
 
+@pytest.mark.slow  # > 10 s on 2 cores: full suite only
 @pytest.mark.skipif(_cxx_missing(), reason="torch.compile's CPU backend needs a C++ compiler (g++ or $CXX)")
 def test_compiled_training_matches_eager_and_checkpoints_the_plain_model(tmp_path: Path) -> None:
     base = ["training.grad_accum_steps=2", "training.grad_clip=1.0", "training.epochs=1"]

@@ -152,6 +152,7 @@ def test_the_result_is_the_same_at_every_world_size_and_uses_rank_0_s_statistics
         assert float(nn.functional.cross_entropy(other(x), y)) != pytest.approx(loss, rel=1e-6)
 
 
+@pytest.mark.slow  # > 10 s on 2 cores: full suite only
 def test_loader_processes_read_the_same_batches_as_an_in_turn_read_even_with_random_draws() -> None:
     """``evaluation.loader_workers``: each batch is read in a loader process after seeding its generator as
     an in-turn read is seeded, so a noisy eval set gives bitwise the same result, at any world size."""

@@ -106,6 +106,7 @@ def _audit(path: Path) -> list[tuple[int, list[int]]]:
     return [(r["step"], r["ids"]) for r in map(json.loads, open(path))]
 
 
+@pytest.mark.slow  # > 10 s on 2 cores: full suite only
 def test_loader_processes_train_the_same_batches_and_bits_as_the_training_thread(tmp_path: Path) -> None:
     # A get_batch dataset (the char-LM) and plain items, with gradient accumulation (random draws in the
     # dataset differ by design: the module docstring of cluster.data).
@@ -134,6 +135,7 @@ def test_loader_processes_train_the_same_batches_and_bits_as_the_training_thread
         assert [ids for _, ids in inline_ids[10:16]] == [ids for _, ids in inline_ids[4:10]]
 
 
+@pytest.mark.slow  # > 10 s on 2 cores: full suite only
 def test_resume_mid_epoch_with_loader_processes_is_bitwise_an_uninterrupted_run(tmp_path: Path) -> None:
     (full_out, part_out, resumed_out) = _dirs(tmp_path, "full", "part", "resumed")
     ckpt = ["checkpoint.every_steps=3", "checkpoint.keep_last=5", f"task={__name__}:NoisyTask"]

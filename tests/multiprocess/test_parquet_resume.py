@@ -29,6 +29,7 @@ def _overrides(data: str, *extra: str) -> list[str]:
     ]
 
 
+@pytest.mark.slow  # > 10 s on 2 cores: full suite only
 def test_a_mid_epoch_resume_of_a_lazy_dataset_is_bitwise(tmp_path: Path) -> None:
     data = f"{tmp_path}/data"
     write(data, rows=2000, files=2, row_group_rows=125)  # 16 row groups, shuffled in windows of 2

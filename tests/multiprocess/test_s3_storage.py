@@ -96,6 +96,7 @@ def test_read_parquet_from_s3_with_projection(moto_s3: MotoS3) -> None:
         read_parquet(url, ["f99"], moto_s3.options)
 
 
+@pytest.mark.slow  # > 10 s on 2 cores: full suite only
 def test_checkpoint_whose_upload_failed_is_reported_and_never_used(moto_s3: MotoS3) -> None:
     st = Storage(moto_s3.url("runs/r4"), moto_s3.options, retries=1, backoff_s=0.1, retry_budget_s=1.0)
     store = CheckpointStore(st)

@@ -77,6 +77,7 @@ def _state(store: CheckpointStore, step: int) -> dict[str, Any]:
     return state
 
 
+@pytest.mark.slow  # > 10 s on 2 cores: full suite only
 def test_new_runs_train_torch_order_and_legacy_checkpoints_resume_in_legacy_order(tmp_path: Path) -> None:
     run = f"{tmp_path}/s/run"
     out1, out2 = tmp_path / "o1", tmp_path / "o2"

@@ -64,6 +64,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
         torch.testing.assert_close(b[name], value, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.slow  # > 10 s on 2 cores: full suite only
 def test_zero_trains_what_the_plain_optimizer_trains_and_resumes_exactly_at_any_world_size(
     tmp_path: Path,
 ) -> None:
