@@ -861,8 +861,10 @@ KINDS: dict[str, Kind] = _kinds(
             "incidents": "each incident: `kind`, `step`, `time`, `rank`",
             "after": "`failures.quarantine_after`",
         },
-        lambda r: f"node {str(r.get('node'))[:12]} kept in after {len(r.get('incidents') or [])} incidents: "
-        "no room without it",
+        lambda r: (
+            f"node {str(r.get('node'))[:12]} kept in after {len(r.get('incidents') or [])} incidents: "
+            "no room without it"
+        ),
         watch=True,
         show=True,
         console=True,
