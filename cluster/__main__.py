@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -37,7 +38,7 @@ import yaml
 
 from cluster import docs, inspect, plot
 from cluster.errors import CheckpointError, ConfigError, StorageError
-from cluster.storage import url_problem
+from cluster.storage import Storage, url_problem
 
 T = TypeVar("T")
 
@@ -279,8 +280,9 @@ def _docs(which: str, write: str | None) -> int:
         return 0
     with open(write) as fh:
         text = docs.replace(fh.read(), which)  # before the file is opened for writing: a failure leaves it
-    with open(write, "w") as fh:
-        fh.write(text)
+    folder, name = os.path.split(os.path.abspath(write))
+    # a temporary name, then a rename: never a torn file; a local file, not retried
+    Storage(folder, retries=0, retry_budget_s=0.0).write_atomic(name, text.encode())
     print(f"updated the {which} reference in {write}")
     return 0
 

@@ -219,6 +219,21 @@ def test_events_reference_has_one_row_per_kind_and_is_rewritten_when_stale(tmp_p
         docs.replace("# a page without the markers\n", "events")
 
 
+@pytest.mark.multiprocess  # starts a process
+def test_a_docs_rewrite_that_fails_mid_write_leaves_the_old_file_whole(tmp_path: pathlib.Path) -> None:
+    """``docs-events --write`` under a file-size limit smaller than the page: the write fails, and the page
+    is the old one, byte for byte, with no temporary file beside it (it was truncated in place before)."""
+    stale = _read(EVENTS_DOC).replace("| `failure` |", "| `failure_renamed` |")
+    copy = tmp_path / "events.md"
+    copy.write_text(stale)
+    limit_kib = len(stale.encode()) // 1024 // 2  # half the page
+    command = f"ulimit -f {limit_kib}; exec {sys.executable} -m cluster docs-events --write {copy}"
+    out = subprocess.run(["bash", "-c", command], cwd=REPO, capture_output=True, text=True, timeout=50)
+    assert out.returncode != 0
+    assert copy.read_text() == stale
+    assert os.listdir(tmp_path) == ["events.md"]
+
+
 def test_the_table_of_mistakes_in_troubleshooting_is_what_the_tests_table_prints() -> None:
     """docs/troubleshooting.md's table of mistakes is generated from tests/support/mistakes.py, each up-front
     row run for the message it prints now (tests/unit/test_mistakes.py checks each)."""
