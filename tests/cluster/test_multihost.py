@@ -23,6 +23,7 @@ from cluster.inspect import read_events
 from cluster.storage import Storage
 from tests.cluster.netns import IFNAME, Hosts, NetnsUnavailable, kill_all, start_node
 from tests.cluster.rayproc import EXCLUDES, RAY, REPO, ray_env
+from tests.support.procs import cmdline
 
 pytestmark = pytest.mark.slow
 
@@ -30,14 +31,6 @@ pytestmark = pytest.mark.slow
 HEALTH = json.dumps(
     {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3}
 )
-
-
-def cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            return fh.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def worker_hosts(hosts: Hosts) -> dict[int, list[int]]:
