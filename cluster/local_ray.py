@@ -71,6 +71,11 @@ _QUIET_ENV = {
     "LOG_NAME_UPDATE_INTERVAL_S": "1",
     # The dashboard agent's per-process CPU and memory sampling, shown only by the dashboard.
     "REPORTER_UPDATE_INTERVAL_MS": "60000",
+    # Ray's DashboardAgent and RuntimeEnvAgent rename themselves (``ray::DashboardAgent``) with Ray's copy of
+    # setproctitle, which by default writes the title over the process's environment block: the session
+    # marker (SESSION_ENV) in /proc/PID/environ is gone, and a dead driver's agents cannot be found to stop.
+    # With SPT_NOENV (read by that setproctitle) the title is written over the command line only.
+    "SPT_NOENV": "1",
 }
 
 

@@ -124,7 +124,10 @@ def test_a_killed_driver_leaves_no_process_of_its_ray_and_the_run_is_interrupted
     assert listed.stdout.splitlines()[1].split()[:2] == ["killed", "interrupted"], listed.stdout
     assert time.monotonic() - killed_at < 60  # well before driver.json would have aged
     left = wait_gone(driver.mark, GONE_WITHIN_S - (time.monotonic() - killed_at))
-    assert not left, f"processes of the killed driver's Ray still alive {GONE_WITHIN_S:g}s on: {left}"
+    assert not left, (
+        f"processes of the killed driver's Ray still alive {GONE_WITHIN_S:g}s on: {left}; "
+        f"the driver's output (its watcher's warnings included) ends: {driver.stdout.read_text()[-2000:]}"
+    )
 
 
 def test_the_next_start_stops_what_a_killed_driver_left_when_its_watcher_died_too(driver: Started) -> None:
