@@ -300,3 +300,45 @@ def test_a_slow_rank_is_moved_to_another_node_between_two_steps(ray_cluster: Any
     ready, _ = ray.wait([nowhere.ready()], timeout=3)
     assert not ready
     remove_placement_group(nowhere)
+
+
+def test_a_notice_on_the_only_node_changes_nothing_a_run_without_the_guard_would_not_have(
+    ray_cluster: Any, tmp_path: object
+) -> None:
+    """Never worse, on ONE node with the defaults: the only node that trains gets a drain notice
+    (PREEMPTION, 20 s) that its provider never carries out (a soft notice, or one taken back). With nowhere
+    to move, the guard may commit a checkpoint, but the same ranks go on: the run finishes with no failure,
+    no step recomputed, no rank restarted, and its final weights equal those of the same job with the guard
+    off (``failures.preemption=false``), bit for bit."""
+    import torch
+
+    ray_cluster.add_node(num_cpus=2, resources={"trainer": 2})
+    ray_cluster.wait_for_nodes()
+    tmp = str(tmp_path)
+    off_thread, off_box = in_background(tmp, "guard_off", "failures.preemption=false", "training.epochs=3")
+    off_thread.join(240)
+    assert "error" not in off_box, off_box.get("error")
+    assert off_box["result"].status == "finished"
+    run_url = f"{tmp}/runs/guard_on"
+    trainer, box = in_background(tmp, "guard_on", "training.epochs=3")
+    wait_for(lambda: os.path.exists(f"{run_url}/checkpoints/step_{8:09d}/manifest.json"))
+    node = rank_node(run_url, 1)
+    assert rank_node(run_url, 0) == node  # the only node that trains
+    assert drain(ray_cluster, node, "DRAIN_NODE_REASON_PREEMPTION", 20)[0]
+    trainer.join(240)
+    assert "error" not in box, box.get("error")
+    result = box["result"]
+    assert result.status == "finished" and result.world_size == 2 and not result.failures
+    (notice,) = events(run_url, "preemption_notice")
+    assert notice["node"] == node and sorted(notice["ranks"]) == [0, 1], notice
+    for kind in ("failure", "recovered", "resize"):
+        assert not events(run_url, kind), kind
+    assert not events(run_url, "preemption_move"), "a move with nowhere to go"
+    for ck in events(run_url, "preemption_checkpoint"):
+        assert ck["committed"], ck
+    (started,) = events(run_url, "group_started")  # the same processes from start to end
+    assert started["nodes"] == [node, node]
+    assert audit(f"{tmp}/audit-guard_on", STEPS, B, 3) == {2: 3 * STEPS}
+    assert account(run_url).steps["recomputed"] == 0
+    got, want = load_checkpoint(run_url).model, load_checkpoint(off_box["result"].run_url).model
+    assert all(torch.equal(got[k], want[k]) for k in want)

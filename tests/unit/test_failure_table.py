@@ -88,6 +88,7 @@ GUARDS: dict[str, list[str]] = {
     ],
     "preemption moves": [
         "tests/unit/test_driver_moves.py::test_no_room_and_min_workers_rule_out_shrinking_so_the_same_ranks_go_on",
+        "tests/cluster/test_preemption.py::test_a_notice_on_the_only_node_changes_nothing_a_run_without_the_guard_would_not_have",
     ],
     "NaN rollback": [
         "tests/ray/test_rollback.py::test_a_nan_loss_rolls_back_past_its_batches_exactly_as_skipping_them_by_hand",
