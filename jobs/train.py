@@ -106,9 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:  # RAY_ADDRESS names no reachable cluster
         return _refuse(f"config error: {exc}")
     # Every rank's error reaches the user through the driver, once: a failure event and its one line. When
-    # several ranks fail alike, the driver acts on the first and drops the calls of the others unread; Ray
-    # would print each of those again, as an "Unhandled error" traceback, once it is freed. Ray's own
-    # switch for those reports, set in this process only (after Ray started: not inherited by its workers).
+    # several ranks fail alike, the driver acts on the first and reads the others' answers once they settle
+    # (cluster.worker_group.calls.read_later), so Ray has none to print as an "Unhandled error" traceback.
+    # Ray's own switch for those reports as well, for the command line: set in this process only (after
+    # Ray started: not inherited by its workers).
     os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
 
     # Outside `train` (which stops cleanly on a first signal), SIGTERM becomes an exception so the

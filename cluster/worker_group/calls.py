@@ -12,15 +12,47 @@ import ray
 logger = logging.getLogger(__name__)
 
 
+_unread: list[Any] = []
+"""Calls of ranks whose answers the driver no longer waits for (another rank failed first): kept until they
+settle and are read (:func:`read_settled`). Ray reports an error that was never read as an "Unhandled error"
+traceback once its reference is freed, although the driver has handled the failure already."""
+
+
+def read_later(refs: list[Any]) -> None:
+    """Keep ``refs`` until they settle; their errors are read (and dropped) by :func:`read_settled`."""
+    _unread.extend(refs)
+    read_settled()
+
+
+def read_settled(wait_s: float = 0.0) -> int:
+    """Read the answers of :func:`read_later` that have settled within ``wait_s``; the number still open."""
+    if not _unread:
+        return 0
+    ready, rest = ray.wait(list(_unread), num_returns=len(_unread), timeout=wait_s)
+    _unread[:] = rest
+    for ref in ready:
+        try:
+            ray.get(ref, timeout=0)
+        except Exception as exc:  # the group's failure was acted on already, through the first error
+            logger.debug("a rank's answer read after its group failed: %s", short(exc))
+    return len(rest)
+
+
 def get_all(refs: list[Any], timeout: float) -> list[Any]:
-    """ray.get that fails fast: the first error from any rank ends the wait."""
+    """ray.get that fails fast: the first error from any rank ends the wait (the other ranks' answers are
+    read once they settle: :func:`read_later`)."""
     pending = list(refs)
     deadline = time.monotonic() + timeout
     while pending:
         ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
+            read_later(pending)
             raise TimeoutError(f"workers did not answer within {timeout:g}s")
-        ray.get(ready[0])  # raises on error
+        try:
+            ray.get(ready[0])  # raises on error
+        except BaseException:
+            read_later(pending)
+            raise
     return ray.get(refs)
 
 

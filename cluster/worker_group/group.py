@@ -27,11 +27,14 @@ from cluster.worker import HOLD_STEPS
 from cluster.worker_group import classify as classify_
 from cluster.worker_group import salvage as salvage_
 from cluster.worker_group.actor import _WorkerActor, check_same_code
-from cluster.worker_group.calls import get_all, kill, short
+from cluster.worker_group.calls import get_all, kill, read_later, read_settled, short
 from cluster.worker_group.placement import Placement, Resources, Slot, bundle_nodes, draining
 from cluster.worker_group.spare import HotSpare
 
 logger = logging.getLogger(__name__)
+
+UNREAD_WAIT_S = 1.0
+"""At a shutdown, how long the calls of the ranks just killed may take to settle (they fail at once)."""
 
 CONNECT_WAVE = 16
 """Ranks that connect to rank 0's store at once in the first wave; each later wave doubles."""
@@ -214,7 +217,11 @@ class RayWorkerGroup:
         """Results of the epoch when every rank is done; None while running; raises on the first error."""
         ready, _ = ray.wait(self.pending, num_returns=len(self.pending), timeout=timeout)
         for ref in ready:
-            ray.get(ref)  # surfaces errors as soon as one rank fails
+            try:
+                ray.get(ref)  # surfaces errors as soon as one rank fails
+            except BaseException:
+                read_later([r for r in self.pending if r is not ref])
+                raise
         if len(ready) < len(self.pending):
             return None
         return list(ray.get(self.pending))
@@ -380,3 +387,4 @@ class RayWorkerGroup:
             kill(actor, f"rank {rank}")
         self.actors, self._adopted = [], {}
         self.placement.remove()
+        read_settled(UNREAD_WAIT_S)  # the killed ranks' calls settle at once

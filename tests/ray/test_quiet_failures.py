@@ -87,3 +87,41 @@ def test_a_dataset_path_with_no_data_prints_one_line(tmp_path: pathlib.Path) -> 
         "failures.hot_spare=false",
     )
     assert_one_clean_line(out, 2, "config error: dataset", "has no Parquet files")
+
+
+def test_the_answers_of_the_other_ranks_are_read_so_ray_reports_no_unhandled_error(ray_local: None) -> None:
+    """``get_all`` (every call of the driver to all ranks) ends at the first rank's error; the other ranks'
+    answers, errors too, are read once they settle. Unread, Ray prints each as an "Unhandled error"
+    traceback once its reference is freed: in a user's own script (``cluster.train``), where no
+    ``RAY_IGNORE_UNHANDLED_ERRORS`` is set, after the one clear failure line."""
+    import gc
+    import logging
+    import time
+
+    import ray
+
+    from cluster.worker_group.calls import get_all
+
+    @ray.remote(num_cpus=0)
+    def fail(delay: float) -> None:
+        time.sleep(delay)
+        raise ValueError(f"failed after {delay}s")
+
+    reports: list[str] = []
+
+    class Reports(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            reports.append(record.getMessage())
+
+    handler = Reports()
+    ray_log = logging.getLogger("ray._private.worker")  # where Ray's unhandled-error reports go
+    ray_log.addHandler(handler)
+    try:
+        with pytest.raises(ray.exceptions.RayTaskError, match="failed after 0s"):
+            get_all([fail.remote(0), fail.remote(1.0)], 30)
+        time.sleep(2.0)  # the second error has arrived
+        gc.collect()  # every reference the failed call left is freed
+        time.sleep(1.0)
+    finally:
+        ray_log.removeHandler(handler)
+    assert not [r for r in reports if "Unhandled error" in r], reports
