@@ -65,14 +65,32 @@ class SessionRay:
         if ray.is_initialized():
             ray.shutdown()  # a Ray some other fixture left: not ours to keep
         self.temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")
-        ray.init(
-            num_cpus=4,
-            include_dashboard=False,
-            _temp_dir=self.temp,
-            configure_logging=False,
-            log_to_driver=False,
-            runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}},
-        )
+        if os.environ.get("CLUSTER_TEST_SESSION_RAY") == "plain":
+            ray.init(
+                num_cpus=4,
+                include_dashboard=False,
+                _temp_dir=self.temp,
+                configure_logging=False,
+                log_to_driver=False,
+                runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}},
+            )
+            return
+        from cluster import local_ray
+
+        # The embedded Ray a user's `python -m jobs.train` starts (cluster/local_ray.py: its quiet settings,
+        # no runtime_env, so actors take the workers Ray prestarts), in a temp folder of the session's own;
+        # its workers inherit this environment, the repository on PYTHONPATH included.
+        path = os.environ.get("PYTHONPATH")
+        saved = {"RAY_TMPDIR": os.environ.get("RAY_TMPDIR"), "PYTHONPATH": path}
+        os.environ.update(RAY_TMPDIR=self.temp, PYTHONPATH=REPO if not path else f"{REPO}{os.pathsep}{path}")
+        try:
+            local_ray.start(4)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
     def healthy(self, wait_s: float = 15.0) -> bool:
         """Every node alive and every CPU free (actors and placement groups a test ended are given back
@@ -102,7 +120,9 @@ class SessionRay:
         if self.temp is None:
             return
         if ray.is_initialized():
-            ray.shutdown()
+            from cluster import local_ray
+
+            local_ray.shutdown()
         shutil.rmtree(self.temp, ignore_errors=True)
         self.temp = None
 
