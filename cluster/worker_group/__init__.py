@@ -1,17 +1,17 @@
-"""The Ray side of the workers: the implementation of :class:`cluster.group.WorkerGroup` on Ray.
+"""The Ray side of the workers: the implementation of :class:`cluster.seam.protocol.WorkerGroup` on Ray.
 
 - ``group``: :class:`RayWorkerGroup` (start and rendezvous, epochs, heartbeats, stop, moves, shutdown);
-- ``actor``: the Ray actor wrapping :class:`cluster.worker.Worker`, and the same-code check;
+- ``actor``: the Ray actor wrapping :class:`cluster.rank.worker.Worker`, and the same-code check;
 - ``placement``: placement groups, room for more ranks, drain notices;
 - ``spare``: the hot spare;
-- ``classify``: Ray's and the actors' errors as a :class:`cluster.errors.Failure`;
+- ``classify``: Ray's and the actors' errors as a :class:`cluster.core.errors.Failure`;
 - ``salvage``: workers kept for the next group, after a failure or a stop;
 - ``calls``: waiting for and killing actors.
 """
 
 from cluster.worker_group.actor import _TRAINING_MODULES, code_fingerprint
-from cluster.worker_group.group import CONNECT_WAVE, RayWorkerGroup, connect_waves
 from cluster.worker_group.placement import NODE_ID_LABEL, avoid_selector
+from cluster.worker_group.ray_group import CONNECT_WAVE, RayWorkerGroup, connect_waves
 from cluster.worker_group.salvage import RELEASE_MAX_S, RELEASE_S, wait_released
 
 __all__ = [

@@ -1,5 +1,5 @@
-"""The Ray actor that runs one rank: a thin wrapper over :class:`cluster.worker.Worker`, and the check that
-every rank imported the same ``cluster`` code as the driver.
+"""The Ray actor that runs one rank: a thin wrapper over :class:`cluster.rank.worker.Worker`, and the check
+that every rank imported the same ``cluster`` code as the driver.
 
 The actor runs with ``max_concurrency=2`` so the driver's heartbeat call (``heartbeat``) is answered while
 ``run_epoch`` is busy training. Its class keeps the name ``_WorkerActor``: Ray titles the process
@@ -18,14 +18,14 @@ from typing import Any
 
 import ray
 
-from cluster.checkpoint import CommitRecord
-from cluster.config import JobConfig, Window
-from cluster.dist import listen_on, store_address
-from cluster.errors import ConfigError
-from cluster.group import EpochResult, Heartbeat, SetupInfo
-from cluster.peer import PeerPlan, PeerState
-from cluster.process import worker_env
-from cluster.worker import Worker
+from cluster.core.errors import ConfigError
+from cluster.rank.dist import listen_on, store_address
+from cluster.rank.peer_transfer import PeerPlan, PeerState
+from cluster.rank.process import worker_env
+from cluster.rank.worker import Worker
+from cluster.run.checkpoint import CommitRecord
+from cluster.seam.protocol import EpochResult, Heartbeat, SetupInfo
+from cluster.spec.config import JobConfig, Window
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class _WorkerActor:
         return self.worker.use_gpus(visible, index)
 
     def bind_store(self, spans_nodes: bool = True) -> tuple[str, int]:
-        """Bind rank 0's store on the one address of ``cluster.dist.store_address``; return it and the
+        """Bind rank 0's store on the one address of ``cluster.rank.dist.store_address``; return it and the
         port (what every rank connects to)."""
         s = self.worker.cfg.scaling
         host = store_address(ray.util.get_node_ip_address(), spans_nodes, s.socket_ifname)
@@ -79,7 +79,7 @@ class _WorkerActor:
 
     def _listen_near(self, store_host: str) -> None:
         """This rank's gloo listens on loopback when the store does (the group is on one node), else on
-        this node's address of ``cluster.dist.store_address``: never on every interface."""
+        this node's address of ``cluster.rank.dist.store_address``: never on every interface."""
         if ipaddress.ip_address(store_host).is_loopback:
             listen_on(store_host)
         else:

@@ -19,10 +19,10 @@ from ray.util.placement_group import (
     remove_placement_group,
 )
 
-from cluster.config import JobConfig
-from cluster.errors import ResourcesUnavailableError
-from cluster.group import Salvage, StartCancelled
-from cluster.preemption import DrainNotice, draining_nodes
+from cluster.core.errors import ResourcesUnavailableError
+from cluster.seam.preemption import DrainNotice, draining_nodes
+from cluster.seam.protocol import Salvage, StartCancelled
+from cluster.spec.config import JobConfig
 from cluster.worker_group.calls import kill, short
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class Placement:
         self.extra_pgs: list[PlacementGroup] = []
         """Placement groups of ranks that moved off a draining node (see ``RayWorkerGroup.prepare_move``)."""
         self.avoid: list[str] = []
-        """Quarantined nodes (``cluster.quarantine``): no bundle of this group is placed there."""
+        """Quarantined nodes (``cluster.run.quarantine``): no bundle of this group is placed there."""
 
     def bundle(self) -> dict[str, float]:
         """The resources of one rank."""
@@ -87,7 +87,7 @@ class Placement:
     def room_without(self, nodes: list[str], n: int) -> bool:
         """Whether the live nodes other than ``nodes`` (and other than the quarantined and draining ones) can
         hold ``n`` bundles of this group by their capacity, whatever runs there now: a node is quarantined
-        only when the run can still be placed without it (``cluster.quarantine``)."""
+        only when the run can still be placed without it (``cluster.run.quarantine``)."""
         bundle = {k: v for k, v in self.bundle().items() if v > 0}
         out = {*nodes, *self.avoid, *(draining_nodes() if self.cfg.failures.preemption else {})}
         fits = 0

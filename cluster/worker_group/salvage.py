@@ -15,17 +15,17 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from cluster import replica
-from cluster.errors import Failure, device_broken
-from cluster.group import EpochResult, Heartbeat, Salvage
-from cluster.peer import PeerState
+from cluster.core.errors import Failure, device_broken
+from cluster.rank import replica
+from cluster.rank.peer_transfer import PeerState
+from cluster.seam.protocol import EpochResult, Heartbeat, Salvage
 from cluster.worker_group.calls import kill, short
 from cluster.worker_group.classify import node_dead, rank_errors
 from cluster.worker_group.placement import Slot
 from cluster.worker_group.suspect import end_process
 
 if TYPE_CHECKING:
-    from cluster.worker_group.group import RayWorkerGroup
+    from cluster.worker_group.ray_group import RayWorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ def _dead(g: RayWorkerGroup, failure: Failure) -> tuple[set[int], set[str]]:
 
 
 def hung_alone(failure: Failure) -> bool:
-    """A hang whose suspect the stacks told apart (``cluster.hang``): only that rank is replaced."""
+    """A hang whose suspect the stacks told apart (``cluster.driver.hang``): only that rank is replaced."""
     return failure.kind == "hang" and failure.hang is not None and failure.hang.keep_survivors
 
 

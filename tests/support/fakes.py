@@ -1,5 +1,6 @@
 """Stand-ins for what surrounds the driver, for tests that run it without workers: a scripted worker group
-(the seam ``cluster/group.py`` describes), ``make`` to build a driver on it, and a webhook on loopback."""
+(the seam ``cluster/seam/protocol.py`` describes), ``make`` to build a driver on it, and a webhook on
+loopback."""
 
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ from typing import Any
 
 import pytest
 
-from cluster.checkpoint import CommitRecord
-from cluster.config import JobConfig, load_config
-from cluster.driver import Driver
-from cluster.errors import Failure, ResourcesUnavailableError, WorkerError
-from cluster.group import EpochResult, Heartbeat, ResumePoint, Salvage, SetupInfo, StartCancelled
-from cluster.peer import PeerPlan, PeerState
-from cluster.preemption import DrainNotice
+from cluster.core.errors import Failure, ResourcesUnavailableError, WorkerError
+from cluster.driver.driver import Driver
+from cluster.rank.peer_transfer import PeerPlan, PeerState
+from cluster.run.checkpoint import CommitRecord
+from cluster.seam.preemption import DrainNotice
+from cluster.seam.protocol import EpochResult, Heartbeat, ResumePoint, Salvage, SetupInfo, StartCancelled
+from cluster.spec.config import JobConfig, load_config
 
 STEPS = 4
 
@@ -322,11 +323,12 @@ class Hook:
 
 
 def transitions(caplog: pytest.LogCaptureFixture) -> list[str]:
-    """The driver's state changes as its debug log says them (``caplog`` at DEBUG for cluster.driver)."""
+    """The driver's state changes as its debug log says them (``caplog`` at DEBUG for
+    cluster.driver.driver)."""
     return [
         r.getMessage().split(" (")[0].removeprefix("state ")
         for r in caplog.records
-        if r.name == "cluster.driver" and r.getMessage().startswith("state ")
+        if r.name == "cluster.driver.driver" and r.getMessage().startswith("state ")
     ]
 
 

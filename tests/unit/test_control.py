@@ -12,7 +12,7 @@ import time
 import pytest
 
 from cluster.__main__ import main
-from cluster.control import (
+from cluster.driver.control import (
     DRIVER_FILE,
     DRIVER_GONE_S,
     DriverBeat,
@@ -21,7 +21,7 @@ from cluster.control import (
     write_stop_request,
 )
 from cluster.inspect import FINISHED, INTERRUPTED, RUNNING, UNFINISHED, format_show, live_status, report
-from cluster.storage import Storage
+from cluster.run.storage import Storage
 
 pytestmark = pytest.mark.timeout(60)
 

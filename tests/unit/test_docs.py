@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-from cluster import docs
-from cluster.config import JobConfig, field_docs
-from cluster.metrics import SCHEMA
+from cluster.run.logs import SCHEMA
+from cluster.spec import reference as docs
+from cluster.spec.config import JobConfig, field_docs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 README = os.path.join(REPO, "README.md")
@@ -182,7 +182,8 @@ def test_docs_metrics_table_matches_schema() -> None:
     assert "`m_<key>`" in text  # the extra metrics' columns are documented next to the fixed ones
 
 
-# --- docs/events.md: generated from cluster.events -------------------------------------------------------
+# --- docs/events.md: generated from cluster.core.events
+# -------------------------------------------------------
 
 EVENTS_DOC = os.path.join(DOCS, "events.md")
 
@@ -197,7 +198,7 @@ def test_events_doc_is_what_the_catalogue_generates() -> None:
 
 @pytest.mark.multiprocess  # starts a process
 def test_events_reference_has_one_row_per_kind_and_is_rewritten_when_stale(tmp_path: pathlib.Path) -> None:
-    from cluster.events import KINDS
+    from cluster.core.events import KINDS
 
     rows = [line for line in docs.events_reference().splitlines() if line.startswith("| `")]
     assert [r.split("`")[1] for r in rows] == list(KINDS)

@@ -1,5 +1,5 @@
-"""Telling the hung rank from the ranks waiting for it (``cluster.hang``), and the automatic hang timeout
-after warm-up (``cluster.policy.HangWatch``, on an injected clock)."""
+"""Telling the hung rank from the ranks waiting for it (``cluster.driver.hang``), and the automatic hang
+timeout after warm-up (``cluster.driver.policy.HangWatch``, on an injected clock)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import dataclasses
 
 import pytest
 
-from cluster.config import load_config
-from cluster.group import Heartbeat
-from cluster.hang import hang_failure, judge, state_of
-from cluster.pace import Pace
-from cluster.policy import HangStats, HangWatch
-from cluster.stacks import Frame, ThreadStack
+from cluster.core.stacks import Frame, ThreadStack
+from cluster.driver.hang import hang_failure, judge, state_of
+from cluster.driver.policy import HangStats, HangWatch
+from cluster.rank.pace import Pace
+from cluster.seam.protocol import Heartbeat
+from cluster.spec.config import load_config
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -164,7 +164,7 @@ def test_a_timeout_the_user_set_is_kept_and_the_floor_can_be_kept_too() -> None:
 
 
 def test_a_short_minimum_is_refused() -> None:
-    from cluster.errors import ConfigError
+    from cluster.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"failures\.hang_timeout_min_s=1"):
         load_config(overrides=["failures.hang_timeout_min_s=1"])

@@ -8,13 +8,13 @@ import pickle
 import pytest
 import torch
 
-from cluster import replica
-from cluster.checkpoint import CheckpointStore
-from cluster.config import load_config
-from cluster.errors import ConfigError, Failure, WorkerError
-from cluster.quarantine import Quarantine
-from cluster.replica import ReplicaMismatchError, digest, flip_bit, suspects
-from cluster.storage import Storage
+from cluster.core.errors import ConfigError, Failure, WorkerError
+from cluster.rank import replica
+from cluster.rank.replica import ReplicaMismatchError, digest, flip_bit, suspects
+from cluster.run.checkpoint import CheckpointStore
+from cluster.run.quarantine import Quarantine
+from cluster.run.storage import Storage
+from cluster.spec.config import load_config
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""Taking, grouping and writing the ranks' thread stacks (``cluster.stacks``), in this process."""
+"""Taking, grouping and writing the ranks' thread stacks (``cluster.core.stacks``), in this process."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from cluster.stacks import Frame, ThreadStack, from_wire, group, ranges, render, take, to_wire, where
+from cluster.core.stacks import Frame, ThreadStack, from_wire, group, ranges, render, take, to_wire, where
 
 pytestmark = pytest.mark.timeout(30)
 
