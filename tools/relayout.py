@@ -1,5 +1,5 @@
-"""Move the flat ``cluster/`` package into its layers (docs/layout.md): ``git mv`` each module to its folder and
-rewrite every mention of its old name, in code and in text.
+"""Move the flat ``cluster/`` package into its layers (docs/layout.md): ``git mv`` each module to its folder
+and rewrite every mention of its old name, in code and in text.
 
     python tools/relayout.py            # from the repository root, on a clean checkout
     python tools/relayout.py --dry-run  # print what would move and which files would change
@@ -279,7 +279,7 @@ def reflow(text: str, dirty: set[int]) -> str:
             return "\n".join(lines)
         i = todo[0]
         line = lines[i]
-        kind, first, last = prose[i]
+        kind, first, _ = prose[i]
         if kind == "trailing":  # code, then a comment: the comment goes on a line of its own above
             lines[i : i + 1] = [_indent(line) + line[first:], line[:first].rstrip()]
             dirty = {d + 1 if d > i else d for d in dirty} | {i}

@@ -824,7 +824,7 @@ def user_frame(exc: BaseException) -> str:
     that does not fit the model fails in ``cluster``); else the innermost of all. Paths are relative to
     the ``sys.path`` entry they were imported from, as the user's editor shows them."""
     frames = traceback.extract_tb(exc.__traceback__)
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the cluster package
     libs = tuple(
         {
             os.path.dirname(os.__file__),
