@@ -6,11 +6,8 @@ message a worker raised.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
-
-if TYPE_CHECKING:
-    from cluster.driver.hang import HangVerdict
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 
 class ClusterError(Exception):
@@ -99,6 +96,27 @@ FailureKind = Literal[
 ]
 
 
+@dataclass(frozen=True)
+class HangVerdict:
+    """What the ranks' stacks (and steps) say about a hang."""
+
+    suspect: int | None
+    """The rank that hangs, or None when no rank stands out."""
+    how: str
+    """How the suspect was told apart, or why no rank could be."""
+    waiting: list[int] = field(default_factory=list)
+    """The ranks found waiting inside a collective."""
+    keep_survivors: bool = False
+    """Whether the other ranks keep their processes (a suspect, and ``failures.warm_restart``)."""
+
+    def describe(self) -> str:
+        """One sentence for the failure's message and the console."""
+        if self.suspect is None:
+            return f"no rank stands out ({self.how}): every rank gets a fresh process"
+        kept = "the others keep their processes" if self.keep_survivors else "every rank gets a fresh process"
+        return f"rank {self.suspect} hangs ({self.how}); it is ended, {kept}"
+
+
 @dataclass
 class Failure:
     """Why a worker group stopped: what the worker group hands the driver (``WorkerGroup.classify``)."""
@@ -108,7 +126,8 @@ class Failure:
     message: str
     error: WorkerError | None = None
     hang: HangVerdict | None = None
-    """A hang's suspect as the ranks' stacks tell it (``cluster.driver.hang``); None for other failures."""
+    """A hang's suspect as the ranks' stacks tell it (``cluster.driver.hang`` judges); None for other
+    failures."""
 
 
 def device_broken(error: WorkerError | None) -> bool:

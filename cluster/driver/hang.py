@@ -19,36 +19,13 @@ and they recover as from a dead worker, keeping their processes and state (``fai
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from cluster.core.errors import Failure
+from cluster.core.errors import Failure, HangVerdict
 from cluster.core.stacks import ThreadStack, ranges, where
 
 _COLLECTIVE_FILES = ("torch/distributed/", "torch/nn/parallel/distributed.py")
 """Frames of these files are collectives' (c10d's calls, ZeRO, DDP's forward buffer broadcast)."""
 _BACKWARD = ("torch/autograd/",)
 """The autograd engine's entry frames: under DDP a rank blocks there until its gradients are reduced."""
-
-
-@dataclass(frozen=True)
-class HangVerdict:
-    """What the ranks' stacks (and steps) say about a hang."""
-
-    suspect: int | None
-    """The rank that hangs, or None when no rank stands out."""
-    how: str
-    """How the suspect was told apart, or why no rank could be."""
-    waiting: list[int] = field(default_factory=list)
-    """The ranks found waiting inside a collective."""
-    keep_survivors: bool = False
-    """Whether the other ranks keep their processes (a suspect, and ``failures.warm_restart``)."""
-
-    def describe(self) -> str:
-        """One sentence for the failure's message and the console."""
-        if self.suspect is None:
-            return f"no rank stands out ({self.how}): every rank gets a fresh process"
-        kept = "the others keep their processes" if self.keep_survivors else "every rank gets a fresh process"
-        return f"rank {self.suspect} hangs ({self.how}); it is ended, {kept}"
 
 
 def state_of(threads: list[ThreadStack] | None) -> str:

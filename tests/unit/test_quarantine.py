@@ -12,9 +12,8 @@ from typing import Any
 
 import pytest
 
-from cluster.core.errors import ConfigError, Failure, FencedError
+from cluster.core.errors import ConfigError, Failure, FencedError, HangVerdict
 from cluster.driver.driver import Driver
-from cluster.driver.hang import HangVerdict
 from cluster.run.quarantine import QUARANTINE_FILE, Quarantine, read, show_lines, unquarantine
 from cluster.run.storage import Storage
 from cluster.seam.protocol import SetupInfo
