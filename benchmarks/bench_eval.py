@@ -95,7 +95,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) ->
         torch.set_num_threads(1)
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         from cluster.rank.evaluate import evaluate
-        from cluster.spec.config import load_config
+        from cluster.spec.load import load_config
 
         store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)

@@ -116,7 +116,7 @@ def child_product(epochs: int, loader_workers: int, prefetch: int, storage: str)
     import torch
 
     from cluster.rank.worker import Worker
-    from cluster.spec.config import load_config
+    from cluster.spec.load import load_config
 
     cfg = load_config(
         os.path.join(REPO, "jobs/configs/tiny_cpu.yaml"),

@@ -160,7 +160,7 @@ def _best(fn: Any, n: int = 7) -> float:
 def _product(rank: int, port: int, work: str, spec: dict[str, Any], loaders: int) -> list[list[float]]:
     from cluster.rank.process import worker_env
     from cluster.rank.worker import Worker
-    from cluster.spec.config import load_config
+    from cluster.spec.load import load_config
 
     cfg = load_config(
         os.path.join(REPO, "jobs/configs/tiny_cpu.yaml"),

@@ -39,7 +39,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from cluster.rank.replica import ReplicaGuard
 from cluster.rank.rollback_points import MemorySnapshots
 from cluster.rank.train_state import RunPosition
-from cluster.spec.config import FailureConfig, load_config
+from cluster.spec.config import FailureConfig
+from cluster.spec.load import load_config
 from cluster.spec.task import build_task
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -31,8 +31,8 @@ from cluster.spec.config import (
     ScalingConfig,
     StorageConfig,
     TrainingConfig,
-    load_config,
 )
+from cluster.spec.load import load_config
 from cluster.spec.task import Task
 
 if TYPE_CHECKING:

@@ -24,7 +24,8 @@ from cluster.rank.evaluate import eval_batch_count, evaluate
 from cluster.rank.session import check_writable
 from cluster.rank.train_state import RunPosition
 from cluster.run.checkpoint import serialize
-from cluster.spec.config import JobConfig, skip_windows
+from cluster.spec.config import JobConfig
+from cluster.spec.schedule import skip_windows
 from cluster.spec.task import Task, build_task, extra_metrics
 
 logger = logging.getLogger(__name__)

@@ -246,7 +246,7 @@ def evaluate_checkpoint(
     import torch
 
     from cluster.rank.evaluate import evaluate
-    from cluster.spec.config import from_dict
+    from cluster.spec.load import from_dict
     from cluster.spec.task import build_task
 
     ckpt = load_checkpoint(run_url, step, storage_options)

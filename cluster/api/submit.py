@@ -19,7 +19,8 @@ from typing import Any, TextIO
 
 from cluster.core.errors import ConfigError
 from cluster.run.storage import Storage, is_local, join, normalize_url
-from cluster.spec.config import JobConfig, load_config
+from cluster.spec.config import JobConfig
+from cluster.spec.load import load_config
 
 EXCLUDES = [".venv", ".git", "runs", "data", "__pycache__", ".pytest_cache", ".ruff_cache", ".mypy_cache"]
 """Left out of the shipped working directory by default (Ray also honours its .gitignore files)."""

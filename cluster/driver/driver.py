@@ -82,7 +82,8 @@ from cluster.run.quarantine import Quarantine
 from cluster.run.storage import PROBE_ENV, Storage, join, normalize_url, write_probe
 from cluster.seam.preemption import Move
 from cluster.seam.protocol import EpochResult, GroupFactory, Salvage, SetupInfo, StartCancelled, WorkerGroup
-from cluster.spec.config import JobConfig, Window, merge_windows, skip_windows
+from cluster.spec.config import JobConfig
+from cluster.spec.schedule import Window, merge_windows, skip_windows
 
 __all__ = ["Driver", "FailurePolicy"]
 

@@ -14,7 +14,8 @@ from cluster.core.errors import Failure
 from cluster.driver.states import RecoveryTiming
 from cluster.rank.peer_transfer import PeerPlan, plan_recovery
 from cluster.seam.protocol import Salvage
-from cluster.spec.config import JobConfig, Window
+from cluster.spec.config import JobConfig
+from cluster.spec.schedule import Window
 
 
 def diverged(failure: Failure) -> bool:

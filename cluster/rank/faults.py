@@ -22,7 +22,8 @@ from torch import nn
 from cluster.rank.replica import flip_bit
 from cluster.run.checkpoint import CheckpointStore, step_dir
 from cluster.run.storage import Storage
-from cluster.spec.config import FaultSpec, JobConfig, parse_fault_env
+from cluster.spec.config import FaultSpec, JobConfig
+from cluster.spec.load import parse_fault_env
 
 SLOW_FAULT_S = 0.05
 """The injected ``slow`` fault's sleep at the start of each step."""

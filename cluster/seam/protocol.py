@@ -14,7 +14,8 @@ from cluster.rank.pace import Pace
 from cluster.rank.peer_transfer import PeerPlan, PeerState
 from cluster.run.checkpoint import CommitRecord
 from cluster.seam.preemption import DrainNotice
-from cluster.spec.config import JobConfig, Window
+from cluster.spec.config import JobConfig
+from cluster.spec.schedule import Window
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The generated references: the configuration (docs/config.md, from :func:`cluster.spec.config.field_docs`),
+"""The generated references: the configuration (docs/config.md, from :func:`field_docs`),
 the events (docs/events.md, from :data:`cluster.core.events.KINDS`) and the mistakes a user makes with what
 each prints (docs/troubleshooting.md, from the tests' table ``tests/support/mistakes.py``), so that none can
 drift.
@@ -11,12 +11,16 @@ declares.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
+import typing
+from typing import Union
 
 import yaml
 
 from cluster.core.events import KINDS
-from cluster.spec.config import field_docs
+from cluster.spec.config import JobConfig
+from cluster.spec.load import type_label
 
 START = "<!-- config-reference:start -->"
 END = "<!-- config-reference:end -->"
@@ -141,3 +145,50 @@ def replace(text: str, which: str = "config") -> str:
 def generate(which: str) -> str:
     """The ``which`` block (``config``, ``events`` or ``mistakes``), freshly generated."""
     return _BLOCKS[which][2]()
+
+
+def field_docs() -> list[tuple[str, str, str, str]]:
+    """(key, type, default, doc) for every config key, in declaration order: the README's reference."""
+    import inspect
+    import itertools
+
+    rows: list[tuple[str, str, str, str]] = []
+
+    def docs_of(cls: type) -> dict[str, str]:
+        tree = ast.parse(inspect.getsource(cls))
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        out: dict[str, str] = {}
+        for prev, node in itertools.pairwise(body):
+            if (
+                isinstance(prev, ast.AnnAssign)
+                and isinstance(prev.target, ast.Name)
+                and isinstance(node, ast.Expr)
+                and isinstance(node.value, ast.Constant)
+            ):
+                out[prev.target.id] = " ".join(str(node.value.value).split())
+        return out
+
+    def walk(cls: type, prefix: str) -> None:
+        docs = docs_of(cls)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            key = prefix + f.name
+            if dataclasses.is_dataclass(tp):
+                walk(tp, key + ".")  # type: ignore[arg-type]
+                continue
+            if f.default is not dataclasses.MISSING:
+                default = repr(f.default)
+            else:
+                default = repr(f.default_factory())  # type: ignore[operator]
+            shown = str(tp).replace("typing.", "").replace("cluster.spec.config.", "")
+            if (
+                typing.get_origin(tp) is Union
+                and len(typing.get_args(tp)) > 1
+                and type(None) not in typing.get_args(tp)
+            ):
+                shown = " | ".join(type_label(a) for a in typing.get_args(tp))
+            rows.append((key, shown, default, docs.get(f.name, "")))
+
+    walk(JobConfig, "")
+    return rows

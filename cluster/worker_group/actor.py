@@ -25,7 +25,8 @@ from cluster.rank.process import worker_env
 from cluster.rank.worker import Worker
 from cluster.run.checkpoint import CommitRecord
 from cluster.seam.protocol import EpochResult, Heartbeat, SetupInfo
-from cluster.spec.config import JobConfig, Window
+from cluster.spec.config import JobConfig
+from cluster.spec.schedule import Window
 
 logger = logging.getLogger(__name__)
 

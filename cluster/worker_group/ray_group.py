@@ -23,7 +23,8 @@ from cluster.rank.worker import HOLD_STEPS
 from cluster.run.checkpoint import CommitRecord
 from cluster.seam.preemption import DrainNotice
 from cluster.seam.protocol import EpochResult, Heartbeat, Salvage, SetupInfo
-from cluster.spec.config import JobConfig, Window
+from cluster.spec.config import JobConfig
+from cluster.spec.schedule import Window
 from cluster.worker_group import classify as classify_
 from cluster.worker_group import salvage as salvage_
 from cluster.worker_group.actor import _WorkerActor, check_same_code

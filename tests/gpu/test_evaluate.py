@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cluster.rank.evaluate import evaluate
-from cluster.spec.config import load_config
+from cluster.spec.load import load_config
 from jobs.tasks.charlm import CharLMTask
 
 pytestmark = [

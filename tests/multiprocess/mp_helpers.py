@@ -13,7 +13,8 @@ import torch.multiprocessing as mp
 from cluster.data.pipeline import fetch_batch
 from cluster.rank.dist import share_gpus
 from cluster.rank.worker import Worker
-from cluster.spec.config import JobConfig, load_config
+from cluster.spec.config import JobConfig
+from cluster.spec.load import load_config
 
 
 def tiny_config(storage: str, overrides: list[str] | None = None) -> JobConfig:

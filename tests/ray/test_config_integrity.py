@@ -18,7 +18,7 @@ from cluster.core.errors import ConfigError
 from cluster.inspect import read_events
 from cluster.run.checkpoint import CheckpointStore
 from cluster.run.storage import Storage
-from cluster.spec.config import load_config
+from cluster.spec.load import load_config
 
 pytestmark = pytest.mark.timeout(600)
 

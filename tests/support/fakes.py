@@ -22,7 +22,8 @@ from cluster.rank.peer_transfer import PeerPlan, PeerState
 from cluster.run.checkpoint import CommitRecord
 from cluster.seam.preemption import DrainNotice
 from cluster.seam.protocol import EpochResult, Heartbeat, ResumePoint, Salvage, SetupInfo, StartCancelled
-from cluster.spec.config import JobConfig, load_config
+from cluster.spec.config import JobConfig
+from cluster.spec.load import load_config
 
 STEPS = 4
 

@@ -8,7 +8,7 @@ import pytest
 
 from cluster.api.train import check_embedded_fits
 from cluster.core.errors import ConfigError
-from cluster.spec.config import load_config
+from cluster.spec.load import load_config
 
 pytestmark = [pytest.mark.timeout(30)]
 

@@ -40,7 +40,7 @@ from cluster.run.checkpoint import (
     step_dir,
 )
 from cluster.run.storage import Storage
-from cluster.spec.config import load_config
+from cluster.spec.load import load_config
 from tests.support.faultfs import Faults
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]

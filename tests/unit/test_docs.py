@@ -15,7 +15,8 @@ import pytest
 
 from cluster.run.logs import SCHEMA
 from cluster.spec import reference as docs
-from cluster.spec.config import JobConfig, field_docs
+from cluster.spec.config import JobConfig
+from cluster.spec.reference import field_docs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 README = os.path.join(REPO, "README.md")

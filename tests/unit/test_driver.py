@@ -16,7 +16,8 @@ from cluster.rank.peer_transfer import PeerPlan, PeerState
 from cluster.run.checkpoint import CheckpointStore, serialize, step_dir
 from cluster.run.logs import read_metrics
 from cluster.seam.protocol import Heartbeat, SetupInfo
-from cluster.spec.config import FailureConfig, load_config
+from cluster.spec.config import FailureConfig
+from cluster.spec.load import load_config
 from tests.support.fakes import STEPS, ScriptedGroup, kinds, make, peer, transitions
 
 pytestmark = pytest.mark.timeout(30)

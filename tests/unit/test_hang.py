@@ -12,7 +12,7 @@ from cluster.driver.hang import hang_failure, judge, state_of
 from cluster.driver.policy import HangStats, HangWatch
 from cluster.rank.pace import Pace
 from cluster.seam.protocol import Heartbeat
-from cluster.spec.config import load_config
+from cluster.spec.load import load_config
 
 pytestmark = pytest.mark.timeout(30)
 

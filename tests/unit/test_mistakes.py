@@ -10,7 +10,7 @@ import pytest
 from cluster.core.errors import Failure, WorkerError
 from cluster.driver.policy import FailurePolicy
 from cluster.rank.worker import user_frame
-from cluster.spec.config import load_config
+from cluster.spec.load import load_config
 from cluster.worker_group.classify import setup_failure
 from tests.support.mistakes import MISTAKES, SETUP_MISTAKES, closed_port, fill, run
 

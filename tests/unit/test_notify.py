@@ -11,7 +11,8 @@ import pytest
 
 from cluster.core.errors import ConfigError, Failure
 from cluster.driver.tracking import Tracker, WebhookSink
-from cluster.spec.config import load_config, resolve_notify_url
+from cluster.spec.config import resolve_notify_url
+from cluster.spec.load import load_config
 from tests.support.fakes import Hook, make
 
 pytestmark = pytest.mark.timeout(60)

@@ -13,7 +13,8 @@ from torch import nn
 from cluster.driver.policy import SLOW_ROUNDS, SlowRankWatch
 from cluster.rank.pace import KEEP_HOOKS, Pace, StepPace
 from cluster.seam.protocol import Heartbeat
-from cluster.spec.config import ConfigError, load_config
+from cluster.spec.config import ConfigError
+from cluster.spec.load import load_config
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -17,7 +17,7 @@ from cluster.driver.driver import Driver
 from cluster.run.quarantine import QUARANTINE_FILE, Quarantine, read, show_lines, unquarantine
 from cluster.run.storage import Storage
 from cluster.seam.protocol import SetupInfo
-from cluster.spec.config import load_config
+from cluster.spec.load import load_config
 from tests.support.fakes import ScriptedGroup, kinds
 
 pytestmark = pytest.mark.timeout(60)

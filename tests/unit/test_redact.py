@@ -17,7 +17,7 @@ from cluster.core.redact import (
     remember,
     secret_key,
 )
-from cluster.spec.config import from_dict
+from cluster.spec.load import from_dict
 
 pytestmark = pytest.mark.timeout(30)
 

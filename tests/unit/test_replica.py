@@ -14,7 +14,7 @@ from cluster.rank.replica import ReplicaMismatchError, digest, flip_bit, suspect
 from cluster.run.checkpoint import CheckpointStore
 from cluster.run.quarantine import Quarantine
 from cluster.run.storage import Storage
-from cluster.spec.config import load_config
+from cluster.spec.load import load_config
 
 pytestmark = pytest.mark.timeout(60)
 

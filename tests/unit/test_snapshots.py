@@ -14,7 +14,7 @@ from cluster.core.errors import ConfigError
 from cluster.rank.peer_transfer import state_digest
 from cluster.rank.rollback_points import MemorySnapshots, agreed_step
 from cluster.rank.train_state import RunPosition, TrainState, apply
-from cluster.spec.config import load_config
+from cluster.spec.load import load_config
 
 pytestmark = pytest.mark.timeout(60)
 

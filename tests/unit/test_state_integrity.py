@@ -26,7 +26,8 @@ from cluster.rank.session import check_writable
 from cluster.rank.train_state import RunPosition, TrainState, capture
 from cluster.run.checkpoint import CheckpointStore, serialize
 from cluster.run.storage import Storage
-from cluster.spec.config import JobConfig, load_config
+from cluster.spec.config import JobConfig
+from cluster.spec.load import load_config
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,7 +12,7 @@ import pytest
 
 from cluster.core.errors import ConfigError, StorageError
 from cluster.run.storage import PROBE, Storage, check_probe, check_relative, redact, write_probe
-from cluster.spec.config import load_config
+from cluster.spec.load import load_config
 
 pytestmark = pytest.mark.timeout(60)
 
