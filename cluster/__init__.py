@@ -40,11 +40,11 @@ if TYPE_CHECKING:
     from cluster.api.load import Checkpoint, evaluate_checkpoint, load_checkpoint, load_model
     from cluster.api.submit import SubmittedJob, submit
     from cluster.api.train import Result, train
-    from cluster.driver.control import request_stop
     from cluster.driver.driver import Driver
     from cluster.driver.policy import FailurePolicy
     from cluster.inspect import run_metrics
     from cluster.run.goodput import Goodput, run_goodput
+    from cluster.run.requests import request_stop
 
 # Imported on first use: a worker process imports this package (its actor class lives in it) but never the
 # driver, whose imports (pyarrow for the metrics files, tracking) cost each worker ~0.35 s of CPU at start.
@@ -57,7 +57,7 @@ _LAZY = {
     "load_checkpoint": "cluster.api.load",
     "load_model": "cluster.api.load",
     "evaluate_checkpoint": "cluster.api.load",
-    "request_stop": "cluster.driver.control",
+    "request_stop": "cluster.run.requests",
     "dry_run": "cluster.api.dryrun",
     "run_metrics": "cluster.inspect",
     "run_goodput": "cluster.run.goodput",

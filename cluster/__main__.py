@@ -388,8 +388,8 @@ def _unquarantine(args: argparse.Namespace, options: dict[str, Any]) -> int:
 
 
 def _stop(args: argparse.Namespace, options: dict[str, Any]) -> int:
-    from cluster.driver.control import write_stop_request
     from cluster.run.lease import current as current_lease
+    from cluster.run.requests import write_stop_request
 
     storage, problem = _running_run(args, options)
     if problem is not None:
@@ -423,7 +423,7 @@ def _stop(args: argparse.Namespace, options: dict[str, Any]) -> int:
 
 
 def _stacks(args: argparse.Namespace, options: dict[str, Any]) -> int:
-    from cluster.driver.control import write_stacks_request
+    from cluster.run.requests import write_stacks_request
 
     storage, problem = _running_run(args, options)
     if problem is not None:
@@ -447,8 +447,8 @@ def _stacks(args: argparse.Namespace, options: dict[str, Any]) -> int:
 
 
 def _profile(args: argparse.Namespace, options: dict[str, Any]) -> int:
-    from cluster.driver.control import write_profile_request
-    from cluster.rank.profiling import MAX_STEPS, table_name, trace_name
+    from cluster.rank.profiling import table_name, trace_name
+    from cluster.run.requests import MAX_STEPS, write_profile_request
 
     if not 1 <= args.steps <= MAX_STEPS:
         return _error(f"error: --steps {args.steps} must be 1 to {MAX_STEPS}", 2)
@@ -502,9 +502,9 @@ def _poll_until(wait_s: float, check: Callable[[], T | None], every_s: float = 0
 def _running_run(args: argparse.Namespace, options: dict[str, Any]) -> tuple[Any, str | None]:
     """The run a request command names, and why no job can answer a request to it (it ended, or its
     driver is gone); None when one can."""
-    from cluster.driver.control import driver_seen
     from cluster.run.lease import current as current_lease
     from cluster.run.lease import gone_here
+    from cluster.run.requests import driver_seen
 
     storage = inspect.open_run(args.url, args.name, options)
     status = inspect.live_status(storage, inspect.read_events(storage))

@@ -1,5 +1,5 @@
-"""Asking a running job to do something, from anywhere that can write its storage: stop cleanly, or say
-where every rank is (their stacks).
+"""The driver's side of the run's requests (the files are ``cluster.run.requests``'): stop cleanly, say
+where every rank is (their stacks), profile some steps; and ``driver.json``, the driver's presence.
 
 ``python -m cluster stop RUN`` (or ``cluster.request_stop(run_url)``) writes
 ``<run>/control/stop.json``. The job's driver looks for it while the ranks train (at most every
@@ -8,9 +8,9 @@ event and ends with status ``stopped``. A resubmission of the same job resumes f
 exactly. The driver removes the request once it has acted on it; a request older than the driver (left by a
 stop that found no job) is removed unread.
 
-``python -m cluster stacks RUN`` (or :func:`write_stacks_request`) writes ``<run>/control/stacks.json``; the
-driver takes every rank's thread stacks, writes them to ``<run>/diagnostics/`` and a ``stacks`` event naming
-the request's id, then removes the request.
+``python -m cluster stacks RUN`` (or ``cluster.run.requests.write_stacks_request``) writes
+``<run>/control/stacks.json``; the driver takes every rank's thread stacks, writes them to
+``<run>/diagnostics/`` and a ``stacks`` event naming the request's id, then removes the request.
 
 Ctrl-C and ``ray job stop`` (SIGINT, SIGTERM) reach the same stop through the driver's signal handlers
 (:func:`cluster.api.train.train`); a second signal stops at once, as before.
@@ -21,7 +21,6 @@ Ctrl-C and ``ray job stop`` (SIGINT, SIGTERM) reach the same stop through the dr
 
 from __future__ import annotations
 
-import getpass
 import json
 import logging
 import os
@@ -30,10 +29,23 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cluster.core.errors import StorageError
+from cluster.run.requests import (
+    DRIVER_BEAT_S,
+    DRIVER_FILE,
+    MAX_STEPS,
+    PROFILE_FILE,
+    STACKS_FILE,
+    STOP_FILE,
+    StopRequest,
+    clear_stop_request,
+    pending,
+    read_request,
+    read_stop_request,
+    take_request,
+)
 from cluster.run.storage import Storage
 
 if TYPE_CHECKING:
@@ -43,10 +55,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-CONTROL = "control"
-STOP_FILE = f"{CONTROL}/stop.json"
-STACKS_FILE = f"{CONTROL}/stacks.json"
-PROFILE_FILE = f"{CONTROL}/profile.json"
 ANSWERED = (STACKS_FILE, PROFILE_FILE)
 """Requests the driver answers (and removes) while the ranks train; ``STOP_FILE`` ends the job instead."""
 STACKS_TIMEOUT_S = 5.0
@@ -54,22 +62,6 @@ STACKS_TIMEOUT_S = 5.0
 STOP_POLL_S = 5.0
 """While the ranks train, the driver lists ``control/`` at most once per this many seconds (one storage
 listing; on an object store, one LIST request)."""
-
-
-@dataclass(frozen=True)
-class StopRequest:
-    reason: str
-    """Who asked and how: ``SIGTERM``, ``SIGINT``, or ``python -m cluster stop by user@host``."""
-    requested_at: float
-
-
-DRIVER_FILE = "driver.json"
-DRIVER_BEAT_S = 30.0
-"""The driver rewrites ``driver.json`` (host, pid, state, step, time) this often while it runs, from a
-thread of its own, whatever its main loop is doing. ``list`` and ``show`` tell a running job from one
-whose driver is gone by its age."""
-DRIVER_GONE_S = 3 * DRIVER_BEAT_S + 30.0
-"""A driver not heard of for this long is gone (three missed beats, and a slow write's margin)."""
 
 
 class DriverBeat:
@@ -292,8 +284,6 @@ def _time_of(asked: dict[str, Any], path: str) -> float:
 def profile_request(asked: dict[str, Any], world_size: int) -> tuple[int, list[int]]:
     """A profile request's steps and ranks, each in range; what does not parse is replaced by the default
     (every rank, 5 steps) with a warning: a malformed request never stops the job."""
-    from cluster.rank.profiling import MAX_STEPS
-
     steps_asked = asked.get("steps") or 5
     try:
         steps = min(max(int(steps_asked), 1), MAX_STEPS)
@@ -323,100 +313,3 @@ def grace_note(reason: str) -> str:
         f" (`ray job stop` kills this driver {wait}s after its SIGTERM; a longer RAY_JOB_STOP_WAIT_TIME_S in "
         "the job's runtime_env env_vars gives the checkpoint time to commit)"
     )
-
-
-def driver_seen(run: Storage) -> dict[str, Any] | None:
-    """What the run's driver last wrote (``DriverBeat``), with ``age_s``; None for runs from before it or
-    when it cannot be read."""
-    try:
-        data = json.loads(run.read_bytes(DRIVER_FILE))
-    except (FileNotFoundError, ValueError):
-        return None
-    if not isinstance(data, dict) or not isinstance(data.get("time"), (int, float)):
-        return None
-    return {**data, "age_s": max(0.0, time.time() - float(data["time"]))}
-
-
-def request_stop(
-    run_url: str, storage_options: dict[str, Any] | None = None, reason: str | None = None
-) -> StopRequest:
-    """Ask the job training the run at ``run_url`` (``<storage.url>/<name>``) to stop at its next step with
-    a checkpoint there. Returns at once; the job's ``stopped`` event says where it stopped (module doc)."""
-    return write_stop_request(Storage(run_url, storage_options), reason)
-
-
-def write_stop_request(run: Storage, reason: str | None = None) -> StopRequest:
-    who = f"{_user()}@{socket.gethostname()}"
-    req = StopRequest(reason or f"python -m cluster stop by {who}", time.time())
-    run.write_atomic(STOP_FILE, json.dumps({"reason": req.reason, "requested_at": req.requested_at}).encode())
-    return req
-
-
-def read_stop_request(run: Storage) -> StopRequest | None:
-    """The pending request, or None. A file that does not parse counts as a request (someone asked)."""
-    try:
-        raw = run.read_bytes(STOP_FILE)
-    except FileNotFoundError:
-        return None
-    try:
-        data: Any = json.loads(raw)
-        return StopRequest(str(data["reason"]), float(data["requested_at"]))
-    except (ValueError, KeyError, TypeError):
-        logger.warning("%s does not parse; taking it as a stop request", run.url(STOP_FILE))
-        return StopRequest(f"{STOP_FILE} (unreadable)", time.time())
-
-
-def clear_stop_request(run: Storage) -> None:
-    """Remove the request (acted on, or stale); a missing file is fine."""
-    run.rm(STOP_FILE)
-
-
-def pending(run: Storage) -> set[str]:
-    """The requests waiting in ``control/``, by path (``STOP_FILE``, ``STACKS_FILE``)."""
-    return {f"{CONTROL}/{name}" for name in run.listdir(CONTROL)}
-
-
-def write_stacks_request(run: Storage) -> str:
-    """Ask the job training ``run`` for every rank's stacks; returns the request's id, which the job's
-    ``stacks`` event names."""
-    return _write_request(run, STACKS_FILE, {})
-
-
-def write_profile_request(run: Storage, steps: int, ranks: list[int] | None) -> str:
-    """Ask the job training ``run`` to profile ``steps`` steps on ``ranks`` (None: every rank); returns the
-    request's id, which its ``profile_requested`` event and the folder of its files name."""
-    return _write_request(run, PROFILE_FILE, {"steps": steps, "ranks": ranks})
-
-
-def read_request(run: Storage, path: str) -> dict[str, Any] | None:
-    """A pending request (``id``, ``by``, ``requested_at`` and its own fields), or None. An unreadable one
-    still counts (someone asked): it reads as ``{}``."""
-    try:
-        data: Any = json.loads(run.read_bytes(path))
-    except FileNotFoundError:
-        return None
-    except ValueError:
-        logger.warning("%s does not parse; answering it with defaults", run.url(path))
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def take_request(run: Storage, path: str) -> dict[str, Any]:
-    """Read and remove a request."""
-    data = read_request(run, path) or {}
-    run.rm(path)
-    return data
-
-
-def _write_request(run: Storage, path: str, fields: dict[str, Any]) -> str:
-    req_id = uuid.uuid4().hex[:12]
-    body = {"id": req_id, "by": f"{_user()}@{socket.gethostname()}", "requested_at": time.time(), **fields}
-    run.write_atomic(path, json.dumps(body).encode())
-    return req_id
-
-
-def _user() -> str:
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):  # no passwd entry (a container's anonymous uid)
-        return "unknown"

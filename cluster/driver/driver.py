@@ -43,15 +43,7 @@ from cluster.core.errors import (
     StorageError,
     TrainingFailedError,
 )
-from cluster.driver.control import (
-    PROFILE_FILE,
-    STACKS_FILE,
-    DriverBeat,
-    RunControl,
-    dump_stacks,
-    grace_note,
-    start_profile,
-)
+from cluster.driver.control import DriverBeat, RunControl, dump_stacks, grace_note, start_profile
 from cluster.driver.hang import hang_failure
 from cluster.driver.moves import Cancel, Decision, GrowNow, MoveWatch, Prepare, StopFor
 from cluster.driver.policy import FailurePolicy, HangStats, HangWatch
@@ -79,6 +71,7 @@ from cluster.rank.peer_transfer import PeerPlan, plan_recovery
 from cluster.run.checkpoint import CheckpointStore, CheckpointUnreadableError
 from cluster.run.lease import GENERATION_ENV, FencedError, Lease
 from cluster.run.quarantine import Quarantine
+from cluster.run.requests import PROFILE_FILE, STACKS_FILE
 from cluster.run.storage import PROBE_ENV, Storage, join, normalize_url, write_probe
 from cluster.seam.preemption import Move
 from cluster.seam.protocol import EpochResult, GroupFactory, Salvage, SetupInfo, StartCancelled, WorkerGroup

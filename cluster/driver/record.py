@@ -29,6 +29,7 @@ from cluster.rank.peer_transfer import PeerPlan
 from cluster.run.checkpoint import CheckpointInfo, CheckpointStore, CommitRecord, step_dir
 from cluster.run.goodput import Ledger, ledger_for
 from cluster.run.logs import EventLog, ProgressDisplay, write_metrics
+from cluster.run.requests import read_driver_file
 from cluster.run.storage import Storage
 from cluster.seam.preemption import Move
 from cluster.seam.protocol import EpochResult, SetupInfo
@@ -87,7 +88,8 @@ class RunRecord:
         else:
             self._write_run_json()
         number = self._submit()
-        self.ledger = ledger_for(self.t0, number, history, self._driver_beat() if history else None)
+        previous = read_driver_file(self.storage) if history else None  # the last driver's last beat
+        self.ledger = ledger_for(self.t0, number, history, previous)
         self.tracker = self._make_tracker()
         if self.tracker is not None:
             self.events.listeners.append(self.tracker.event)
@@ -105,18 +107,6 @@ class RunRecord:
             },
         }
         self.storage.write_atomic("run.json", json.dumps(info, indent=1, default=str).encode())
-
-    def _driver_beat(self) -> dict[str, Any] | None:
-        """The previous driver's ``driver.json`` (its last sign of life), if it reads."""
-        from cluster.driver.control import DRIVER_FILE
-
-        try:
-            return dict(json.loads(self.storage.read_bytes(DRIVER_FILE)))
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as exc:
-            logger.warning("could not read %s for the goodput account: %s", DRIVER_FILE, exc)
-            return None
 
     def goodput_event(self, ended: bool = True) -> None:
         """The account as it stands (a ``goodput`` event; the run's end writes it with ``ended``)."""

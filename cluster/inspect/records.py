@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.core.events import SHOWN
-from cluster.driver.control import driver_seen
 from cluster.inspect.runs import (
     CheckpointRow,
     RunSummary,
@@ -21,6 +20,7 @@ from cluster.inspect.runs import (
 from cluster.run.goodput import goodput_of
 from cluster.run.logs import read_metrics
 from cluster.run.quarantine import show_lines
+from cluster.run.requests import driver_seen
 from cluster.run.storage import Storage
 from cluster.spec.config import JobConfig
 

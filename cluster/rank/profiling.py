@@ -30,9 +30,6 @@ from cluster.run.storage import Storage
 
 logger = logging.getLogger(__name__)
 
-MAX_STEPS = 100
-"""The most steps one request records (a trace grows with every step)."""
-
 
 @dataclass(frozen=True)
 class ProfileRequest:

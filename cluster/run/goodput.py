@@ -16,7 +16,6 @@ continues from) and, at the run's end, as a ``goodput`` event; :func:`run_goodpu
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -429,16 +428,9 @@ def goodput_of(events: list[dict[str, Any]], driver: dict[str, Any] | None = Non
 
 def run_goodput(run_url: str, storage_options: dict[str, Any] | None = None) -> Goodput | None:
     """The goodput account of the run at ``run_url`` (None for a run written before the ledger existed)."""
-    from cluster.driver.control import DRIVER_FILE
     from cluster.run.logs import read_event_log
+    from cluster.run.requests import read_driver_file
     from cluster.run.storage import Storage
 
     storage = Storage(run_url, storage_options)
-    try:
-        driver = json.loads(storage.read_bytes(DRIVER_FILE))
-    except FileNotFoundError:
-        driver = None
-    except (OSError, ValueError) as exc:
-        logger.warning("could not read %s: %s", DRIVER_FILE, exc)
-        driver = None
-    return goodput_of(read_event_log(storage), driver)
+    return goodput_of(read_event_log(storage), read_driver_file(storage))

@@ -466,7 +466,7 @@ def test_a_stop_asked_while_waiting_for_resources_ends_the_run_at_once(
     import ray
     from ray.util.placement_group import placement_group_table
 
-    from cluster.driver.control import request_stop
+    from cluster.run.requests import request_stop
 
     cfg = load_config(
         "jobs/configs/tiny_cpu.yaml",

@@ -12,15 +12,15 @@ import time
 import pytest
 
 from cluster.__main__ import main
-from cluster.driver.control import (
+from cluster.driver.control import DriverBeat
+from cluster.inspect import FINISHED, INTERRUPTED, RUNNING, UNFINISHED, format_show, live_status, report
+from cluster.run.requests import (
     DRIVER_FILE,
     DRIVER_GONE_S,
-    DriverBeat,
     driver_seen,
     read_stop_request,
     write_stop_request,
 )
-from cluster.inspect import FINISHED, INTERRUPTED, RUNNING, UNFINISHED, format_show, live_status, report
 from cluster.run.storage import Storage
 
 pytestmark = pytest.mark.timeout(60)

@@ -35,7 +35,7 @@ def test_clean_run_walks_the_states_and_finishes() -> None:
     assert ScriptedGroup.instances[0].calls == ["epoch0@0", "epoch1@0", "epoch2@0", "finish"]
     assert ScriptedGroup.instances[0].shut is True  # graceful at the end
     assert kinds(driver).count("epoch_end") == 3 and "finished" in kinds(driver)
-    from cluster.driver.control import driver_seen
+    from cluster.run.requests import driver_seen
 
     beat = driver_seen(driver.storage)  # the driver's presence, last written as it ended
     assert beat is not None and beat["ended"] is True and beat["state"] == "finished"

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def test_stacks_asked_for_while_training_are_answered_once_with_the_request_id() -> None:
-    from cluster.driver.control import STACKS_FILE, write_stacks_request
+    from cluster.run.requests import STACKS_FILE, write_stacks_request
 
     driver, _ = make(
         {0: ["busy", "busy"]},
@@ -66,7 +66,7 @@ def test_a_stop_asked_for_stops_every_rank_at_a_step_with_a_checkpoint_and_ends_
 
 
 def test_a_stop_file_is_read_while_training_acted_on_once_and_removed() -> None:
-    from cluster.driver.control import STOP_FILE, read_stop_request, request_stop
+    from cluster.run.requests import STOP_FILE, read_stop_request, request_stop
 
     driver, _ = make({0: ["busy", "busy"]}, group_cls=CommittingGroup)
     request_stop(driver.run_url, reason="python -m cluster stop by me@here")  # after the driver started
@@ -77,7 +77,7 @@ def test_a_stop_file_is_read_while_training_acted_on_once_and_removed() -> None:
 
 
 def test_a_stop_request_older_than_the_driver_is_removed_unread(caplog: pytest.LogCaptureFixture) -> None:
-    from cluster.driver.control import STOP_FILE, write_stop_request
+    from cluster.run.requests import STOP_FILE, write_stop_request
     from cluster.run.storage import Storage
 
     driver, _ = make({})
@@ -136,7 +136,7 @@ def test_signals_stop_cleanly_once_then_at_once_and_the_old_handlers_come_back()
 
 
 def test_a_profile_asked_for_reaches_the_named_ranks_and_is_recorded() -> None:
-    from cluster.driver.control import PROFILE_FILE, write_profile_request
+    from cluster.run.requests import PROFILE_FILE, write_profile_request
 
     driver, _ = make({0: ["busy", "busy"]})
     req = write_profile_request(driver.storage, steps=500, ranks=[1, 7])  # 7: no such rank; 500: too many
@@ -157,7 +157,7 @@ def test_a_profile_asked_for_reaches_the_named_ranks_and_is_recorded() -> None:
 
 
 def test_requests_left_from_before_the_job_are_removed_unanswered() -> None:
-    from cluster.driver.control import PROFILE_FILE, STACKS_FILE, write_profile_request, write_stacks_request
+    from cluster.run.requests import PROFILE_FILE, STACKS_FILE, write_profile_request, write_stacks_request
 
     driver, _ = make({0: ["busy"]})
     write_profile_request(driver.storage, 3, None)

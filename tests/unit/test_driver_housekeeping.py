@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from cluster.core.errors import TrainingFailedError
-from cluster.driver.control import PROFILE_FILE
 from cluster.inspect import run_status
 from cluster.run.checkpoint import CheckpointUnreadableError, CommitRecord
+from cluster.run.requests import PROFILE_FILE
 from cluster.seam.protocol import EpochResult, SetupInfo
 from tests.support.fakes import STEPS, ScriptedGroup, kinds, make
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from cluster.driver.control import DRIVER_FILE, DriverBeat
+from cluster.driver.control import DriverBeat
 from cluster.run.lease import (
     FencedError,
     Holder,
@@ -22,6 +22,7 @@ from cluster.run.lease import (
     this_machine,
 )
 from cluster.run.logs import EventLog
+from cluster.run.requests import DRIVER_FILE
 from cluster.run.storage import Storage
 
 pytestmark = [pytest.mark.timeout(60)]
@@ -158,7 +159,7 @@ def test_stop_goes_through_the_lease(run: Storage, capsys: pytest.CaptureFixture
     """``python -m cluster stop`` names the job it asks (the lease's holder), and says when no job holds
     the run, whatever ``driver.json``'s clock says."""
     from cluster.__main__ import main
-    from cluster.driver.control import STOP_FILE
+    from cluster.run.requests import STOP_FILE
 
     run.write_bytes("run.json", b'{"name": "run", "config": {}}')
     job = Lease.take(run, "raysubmit_x")
