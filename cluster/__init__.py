@@ -39,9 +39,10 @@ if TYPE_CHECKING:
     from cluster.api.dryrun import DryRunReport, dry_run
     from cluster.api.load import Checkpoint, evaluate_checkpoint, load_checkpoint, load_model
     from cluster.api.submit import SubmittedJob, submit
-    from cluster.api.train import Result, train
+    from cluster.api.train import train
     from cluster.driver.driver import Driver
     from cluster.driver.policy import FailurePolicy
+    from cluster.driver.result import Result
     from cluster.inspect import run_metrics
     from cluster.run.goodput import Goodput, run_goodput
     from cluster.run.requests import request_stop
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "Driver": "cluster.driver.driver",
     "FailurePolicy": "cluster.driver.policy",
-    "Result": "cluster.api.train",
+    "Result": "cluster.driver.result",
     "train": "cluster.api.train",
     "Checkpoint": "cluster.api.load",
     "load_checkpoint": "cluster.api.load",

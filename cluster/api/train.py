@@ -1,5 +1,6 @@
 """The entry points: train a job from Python (``cluster.train``), the checks that run before anything starts,
-connecting to (or starting) Ray, Ctrl-C / ``ray job stop`` handling, and the :class:`Result` a run returns.
+connecting to (or starting) Ray, and Ctrl-C / ``ray job stop`` handling. A run returns a
+:class:`cluster.driver.result.Result`.
 
 ``python -m jobs.train`` and ``cluster.submit`` reach the same :func:`train`; the state machine that runs the
 job is :class:`cluster.driver.driver.Driver`.
@@ -10,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import logging
 import os
 import signal
@@ -18,14 +18,14 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TextIO
 
 from cluster.api import local_ray
-from cluster.core.errors import ConfigError, StorageError
+from cluster.core.errors import ConfigError
+from cluster.driver.result import Result
 from cluster.run.checkpoint import CheckpointStore
-from cluster.run.goodput import Goodput
+from cluster.run.lease import Lease
 from cluster.run.storage import Storage, join, normalize_url
 from cluster.seam.protocol import WorkerGroup
 from cluster.spec.config import JobConfig, resolve_notify_url
@@ -35,77 +35,6 @@ logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from cluster.driver.driver import Driver
-    from cluster.run.lease import Lease
-
-
-@dataclass
-class Result:
-    """What a finished (or failed) run returns."""
-
-    name: str
-    run_url: str
-    status: str
-    epochs_completed: int
-    global_step: int
-    metrics: dict[str, Any]
-    latest_checkpoint: str | None
-    attempts: int
-    failures: list[dict[str, Any]] = field(default_factory=list)
-    world_size: int = 0
-    error: str | None = None
-    slow_ranks: list[dict[str, Any]] = field(default_factory=list)
-    """Each ``slow_rank`` event of this submission: a rank that held the others up (docs/failures.md)."""
-    evaluation: dict[str, Any] | None = None
-    """The latest evaluation of this submission (``global_step``, ``epoch``, ``loss`` and the task's eval
-    metrics); None when the task has no eval set or none ran."""
-    stopped_early: bool = False
-    """Early stopping (``evaluation.patience``) ended the run before its last epoch."""
-    goodput: Goodput | None = None
-    """Where the run's wall clock went, every second in one class, and its ETTR (docs/goodput.md): for the
-    whole run, across submissions, and per attempt."""
-    stop_reason: str | None = None
-    """With status ``stopped``: who asked (``SIGINT``, ``SIGTERM``, ``python -m cluster stop by ...``). The
-    ranks stopped at ``global_step`` with a checkpoint there; resubmitting the same job resumes from it."""
-    skipped_steps: list[tuple[int, int]] = field(default_factory=list)
-    """The run's skip windows (first and last step, inclusive): ``training.skip_steps`` and each NaN
-    rollback's (``failures.nan_skip_steps``). Their batches were not trained."""
-
-
-def result_of(driver: Driver) -> Result:
-    """What a driver's run returns, from where it ended."""
-    from cluster.driver.states import Failed, Stopped
-    from cluster.run.checkpoint import CheckpointStore
-
-    try:
-        infos = CheckpointStore(driver.storage).list()
-    except StorageError as exc:  # the result is still returned (or its error raised)
-        logger.warning("could not list the run's checkpoints for its result: %s", exc)
-        infos = []
-    state, stop = driver.state, driver.control.stop
-    error = state.error if isinstance(state, Failed) else None
-    return Result(
-        name=driver.cfg.name,
-        run_url=driver.run_url,
-        status=state.name,
-        epochs_completed=driver.epoch,
-        global_step=driver.global_step,
-        metrics=driver.record.last_metrics,
-        latest_checkpoint=infos[-1].url if infos else None,
-        attempts=driver.attempt + 1,
-        failures=[{"kind": f.kind, "rank": f.rank, "message": f.message[:2000]} for f in driver.failures],
-        world_size=driver.world_size,
-        error=str(error) if error is not None else None,
-        slow_ranks=list(driver.record.slow_reports),
-        evaluation=driver.record.last_eval,
-        stopped_early=driver.stopped_early,
-        skipped_steps=list(driver.skips),
-        stop_reason=stop.reason if isinstance(state, Stopped) and stop is not None else None,
-        goodput=driver.record.ledger.goodput(driver.record.ledger.ended_at),
-    )
-
-
-def result_to_json(result: Result) -> str:
-    return json.dumps(asdict(result), indent=1, default=str)
 
 
 def ray_group_factory(cfg: JobConfig, run_url: str, attempt: int, task_cls: Any = None) -> WorkerGroup:
@@ -113,16 +42,6 @@ def ray_group_factory(cfg: JobConfig, run_url: str, attempt: int, task_cls: Any 
     from cluster.worker_group import RayWorkerGroup
 
     return RayWorkerGroup(cfg, run_url, attempt, task_cls)
-
-
-def take_lease(cfg: JobConfig, takeover: bool = False, say: Callable[[str], None] | None = None) -> Lease:
-    """Take the run's lease (``cluster.run.lease``) before anything is written: LeaseHeldError (exit 2) while
-    another job trains the run, unless ``takeover``."""
-    from cluster.run.lease import Lease
-
-    run = Storage(join(normalize_url(cfg.storage.url), cfg.name), cfg.storage.options)
-    job = os.environ.get("RAY_JOB_SUBMISSION_ID") or f"python pid {os.getpid()}"
-    return Lease.take(run, job, takeover=takeover, say=say or print)
 
 
 def ensure_ray(cfg: JobConfig) -> bool:
@@ -253,7 +172,7 @@ def train(
     One job trains a run at a time: while another job's lease on the run beats, this one is refused
     (LeaseHeldError) before anything is written; ``takeover=True`` takes the run from a job that is gone
     (or fences out one that is not: its writes are refused from then on). ``lease``: one already taken
-    (:func:`take_lease`), released when the run ends.
+    (``Lease.take_for``), released when the run ends.
 
     ``task``: the Task class itself instead of ``cfg.task``'s import path (which then records it): sent to
     the workers by value, so a class defined in a notebook or in the running script works. Uses the Ray
@@ -270,8 +189,10 @@ def train(
     try:
         started = ensure_ray(cfg)
         check_cluster(cfg)  # refusals write nothing: the lease is taken after them
-        lease = lease or take_lease(cfg, takeover, None if out is None else lambda t: print(t, file=out))
-        factory = functools.partial(ray_group_factory, task_cls=task) if task is not None else None
+        lease = lease or Lease.take_for(cfg, takeover, None if out is None else lambda t: print(t, file=out))
+        factory = (
+            functools.partial(ray_group_factory, task_cls=task) if task is not None else ray_group_factory
+        )
         driver = Driver(cfg, group_factory=factory, out=out, lease=lease, started_at=asked_at)
         with stop_on_signals(driver):
             return driver.run()

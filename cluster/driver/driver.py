@@ -34,7 +34,6 @@ import sys
 import time
 from typing import Any, TextIO
 
-from cluster.api.train import Result, ray_group_factory, result_of, take_lease
 from cluster.core.errors import (
     CheckpointError,
     ConfigError,
@@ -49,6 +48,7 @@ from cluster.driver.moves import Cancel, Decision, GrowNow, MoveWatch, Prepare, 
 from cluster.driver.policy import FailurePolicy, HangStats, HangWatch
 from cluster.driver.record import RunRecord, ended_early
 from cluster.driver.recovery_plan import peer_plan, rollback_window
+from cluster.driver.result import Result, result_of
 from cluster.driver.states import (
     Failed,
     Finished,
@@ -91,7 +91,7 @@ class Driver:
     def __init__(
         self,
         cfg: JobConfig,
-        group_factory: GroupFactory | None = None,
+        group_factory: GroupFactory,
         policy: FailurePolicy | None = None,
         out: TextIO | None = None,
         poll_s: float = 1.0,
@@ -103,7 +103,7 @@ class Driver:
         self.takeover = takeover
         self.lease = lease
         """The run's lease (``cluster.run.lease``): taken in ``run`` unless given, released when it ends."""
-        self.group_factory = group_factory or ray_group_factory
+        self.group_factory = group_factory
         self.policy = policy or FailurePolicy(cfg.failures)
         self.poll_s = poll_s
         self.state: State = Starting()
@@ -162,7 +162,7 @@ class Driver:
         self.control.request_stop(reason)
 
     def run(self) -> Result:
-        lease = self.lease = self.lease or take_lease(self.cfg, self.takeover, self.record.print)
+        lease = self.lease = self.lease or Lease.take_for(self.cfg, self.takeover, self.record.print)
         lease.start()
         try:
             return self._run(lease)

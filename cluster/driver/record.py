@@ -3,8 +3,8 @@
 One :class:`RunRecord` per driver. Each of its methods records one thing that happened, writing the event
 (``events/NNNNNN.jsonl``), its console line and, where there are any, the metric rows (``metrics/``) and
 tracking (TensorBoard, MLflow, notifications) together, so the driver's state machine only says *what*
-happened. It also keeps what the run's :class:`cluster.api.train.Result` reports (metrics, evaluations, slow
-ranks) and builds it.
+happened. It also keeps what the run's :class:`cluster.driver.result.Result` reports (metrics, evaluations,
+slow ranks).
 """
 
 from __future__ import annotations

@@ -32,10 +32,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cluster.core.errors import FencedError, LeaseHeldError, StorageError
-from cluster.run.storage import Storage
+from cluster.run.storage import Storage, join, normalize_url
+
+if TYPE_CHECKING:
+    from cluster.spec.config import JobConfig
 
 logger = logging.getLogger(__name__)
 
@@ -261,6 +264,17 @@ class Lease:
                     lease.took_over = holder
                 return lease
         raise StorageError(f"could not take the lease of {run.root}: other jobs kept taking it first")
+
+    @classmethod
+    def take_for(
+        cls, cfg: JobConfig, takeover: bool = False, say: Callable[[str], None] | None = None
+    ) -> Lease:
+        """Take the lease of ``cfg``'s run (``<storage.url>/<name>``) for this job (its Ray submission id,
+        else this process) before anything is written; ``say`` (default: print) tells of a holder watched
+        or taken over."""
+        run = Storage(join(normalize_url(cfg.storage.url), cfg.name), cfg.storage.options)
+        job = os.environ.get("RAY_JOB_SUBMISSION_ID") or f"python pid {os.getpid()}"
+        return cls.take(run, job, takeover=takeover, say=say or print)
 
     def _body(self, released: bool) -> bytes:
         return json.dumps(
