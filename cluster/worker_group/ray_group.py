@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
-from ray.util.placement_group import PlacementGroup, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.core.errors import Failure, ResourcesUnavailableError
@@ -29,6 +28,7 @@ from cluster.worker_group import classify as classify_
 from cluster.worker_group import salvage as salvage_
 from cluster.worker_group.actor import _WorkerActor, check_same_code
 from cluster.worker_group.calls import get_all, kill, short
+from cluster.worker_group.gang import MoveInProgress
 from cluster.worker_group.placement import Placement, Resources, Slot, bundle_nodes, draining
 from cluster.worker_group.spare import HotSpare
 
@@ -53,17 +53,6 @@ def connect_waves(world_size: int) -> list[list[int]]:
         start += size
         size *= 2
     return waves
-
-
-@dataclass
-class MoveInProgress:
-    """Replacements being placed and prepared for ``ranks`` (``RayWorkerGroup.prepare_move``)."""
-
-    ranks: list[int]
-    pg: PlacementGroup
-    placed: Any
-    actors: dict[int, Any] | None = None
-    prepared: list[Any] = field(default_factory=list)
 
 
 class RayWorkerGroup:
