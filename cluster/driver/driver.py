@@ -48,6 +48,7 @@ from cluster.driver.moves import Cancel, Decision, GrowNow, MoveWatch, Prepare, 
 from cluster.driver.policy import FailurePolicy, HangStats, HangWatch
 from cluster.driver.record import RunRecord, ended_early
 from cluster.driver.recovery_plan import peer_plan, rollback_window
+from cluster.driver.replica_rollback import after_mismatch
 from cluster.driver.result import Result, result_of
 from cluster.driver.states import (
     Failed,
@@ -66,13 +67,12 @@ from cluster.driver.states import (
     Stopped,
 )
 from cluster.inspect.runs import resume_advice
-from cluster.rank import replica
-from cluster.rank.peer_transfer import PeerPlan, plan_recovery
 from cluster.run.checkpoint import CheckpointStore, CheckpointUnreadableError
 from cluster.run.lease import GENERATION_ENV, FencedError, Lease
 from cluster.run.quarantine import Quarantine
 from cluster.run.requests import PROFILE_FILE, STACKS_FILE
 from cluster.run.storage import PROBE_ENV, Storage, join, normalize_url, write_probe
+from cluster.seam.peers import PeerPlan, plan_recovery
 from cluster.seam.preemption import Move
 from cluster.seam.protocol import EpochResult, GroupFactory, Salvage, SetupInfo, StartCancelled, WorkerGroup
 from cluster.spec.config import JobConfig
@@ -746,7 +746,7 @@ class Driver:
         if failure.kind == "replica_mismatch":  # no checkpoint after the last agreeing check is used again
             fence = self.lease.check if self.lease is not None else None
             hosts, nodes = self.moves.rank_hosts, self.moves.rank_nodes
-            replica.after_mismatch(
+            after_mismatch(
                 failure, self.storage, fence, self.cfg, self.record.event, hosts, nodes, self.quarantine
             )
         plan = peer_plan(self.cfg, failure, salvage, timing) if decision.restart else None

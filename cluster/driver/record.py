@@ -24,17 +24,16 @@ from cluster.core.redact import redact_text, redact_tree
 from cluster.driver.policy import Decision, SlowRank
 from cluster.driver.states import RecoveryTiming
 from cluster.driver.tracking import MlflowSink, Sink, TensorBoardSink, Tracker, WebhookSink
-from cluster.rank.evaluate import eval_due
-from cluster.rank.peer_transfer import PeerPlan
 from cluster.run.checkpoint import CheckpointInfo, CheckpointStore, CommitRecord, step_dir
 from cluster.run.goodput import Ledger, ledger_for
 from cluster.run.logs import EventLog, ProgressDisplay, write_metrics
 from cluster.run.requests import read_driver_file
 from cluster.run.storage import Storage
+from cluster.seam.peers import PeerPlan
 from cluster.seam.preemption import Move
 from cluster.seam.protocol import EpochResult, SetupInfo
 from cluster.spec.config import JobConfig, resolve_notify_url
-from cluster.spec.schedule import Window
+from cluster.spec.schedule import Window, eval_due
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from cluster.core.errors import Failure
 from cluster.driver.states import RecoveryTiming
-from cluster.rank.peer_transfer import PeerPlan, plan_recovery
+from cluster.seam.peers import PeerPlan, plan_recovery
 from cluster.seam.protocol import Salvage
 from cluster.spec.config import JobConfig
 from cluster.spec.schedule import Window

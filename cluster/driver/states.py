@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from cluster.core.errors import Failure
-from cluster.rank.peer_transfer import PeerPlan
+from cluster.seam.peers import PeerPlan
 from cluster.seam.preemption import Move
 from cluster.seam.protocol import EpochResult, Salvage, SetupInfo
 

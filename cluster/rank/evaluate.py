@@ -34,7 +34,6 @@ from torch import nn
 from cluster.core.errors import ConfigError
 from cluster.data.pipeline import fetch_batch
 from cluster.spec.config import JobConfig
-from cluster.spec.schedule import eval_due as eval_due  # where cluster.driver.driver imports it from
 from cluster.spec.task import Task, extra_metrics
 
 

@@ -20,31 +20,18 @@ import statistics
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from cluster.seam.protocol import Pace
 
 KEEP_HOOKS = 2
 """After the first step, only the parameters whose gradients arrived last keep a hook: the measure needs
 the last one, and a hook on every parameter would cost a Python call each per step."""
 MAX_PENDING = 64
 """CUDA: steps whose events are not complete yet; older ones are dropped (a device far behind the host)."""
-
-
-@dataclass(frozen=True)
-class Pace:
-    """A rank's steps since its previous heartbeat: medians, so that a checkpoint or a log step does not
-    skew them."""
-
-    compute_s: float
-    """Step start to this rank's last gradient: the part of the step that is its own."""
-    step_s: float
-    """The whole step, waits for the other ranks included."""
-    steps: int
-    input_s: float = 0.0
-    """Of ``compute_s``, the host's wait for the step's batches (the input pipeline's share)."""
 
 
 class StepPace:

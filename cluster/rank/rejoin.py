@@ -25,11 +25,12 @@ from cluster.core.errors import CheckpointError, ConfigError, StorageError
 from cluster.data.pipeline import ResumableDistributedSampler
 from cluster.rank import dist as cdist
 from cluster.rank.ddp import unsendable
-from cluster.rank.peer_transfer import PeerPlan, PeerState, Transfer, broadcast_state, state_digest
+from cluster.rank.peer_transfer import Transfer, broadcast_state, state_digest
 from cluster.rank.rollback_points import MemorySnapshots, rollback_step
 from cluster.rank.session import check_writable
 from cluster.rank.train_state import RunPosition, Scheduler, TrainState, apply, capture, payload
 from cluster.run.checkpoint import CheckpointStore, step_dir
+from cluster.seam.peers import PeerPlan, PeerState
 from cluster.seam.protocol import ResumePoint
 from cluster.spec.config import JobConfig
 from cluster.spec.schedule import Window, merge_windows

@@ -9,7 +9,7 @@ checkpoint is taken, each rank reduces its parameters to a digest on its device 
 exchange the digests in one small ``all_gather``, and each compares them (:func:`suspects`). A disagreement
 raises :class:`ReplicaMismatchError` on every rank alike; the driver then rolls the run back to the newest
 checkpoint at or before the last check that agreed, and replaces the ranks outside the majority
-(:func:`after_mismatch`).
+(``cluster.driver.replica_rollback``; the worker group reads the error with ``cluster.seam.mismatch``).
 
 The check is read one step after it is launched (:meth:`ReplicaGuard.after_step`): on a GPU the gather's
 result is copied to pinned host memory behind an event, so the host never waits for the device beyond that
@@ -21,21 +21,15 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from cluster.core.errors import ClusterError, Failure, WorkerError
-
-if TYPE_CHECKING:
-    from cluster.run.checkpoint import CheckpointInfo, CheckpointStore
-    from cluster.run.quarantine import Quarantine
-    from cluster.run.storage import Storage
-    from cluster.spec.config import JobConfig
+from cluster.core.errors import ClusterError
 
 logger = logging.getLogger(__name__)
 
@@ -254,90 +248,3 @@ class ReplicaGuard:
             "digests": [short(r) for r in rows],
         }
         return ReplicaMismatchError(message, {"replica": detail})
-
-
-# ------------------------------------------------------------------------------------------ driver side
-def mismatch(failure: Failure) -> dict[str, Any] | None:
-    """The check that failed (``ReplicaMismatchError.detail``), when ``failure`` is a replica mismatch."""
-    e = failure.error
-    if failure.kind != "replica_mismatch" or e is None:
-        return None
-    found = e.detail.get("replica")
-    return found if isinstance(found, dict) else None
-
-
-def failure_of(error: WorkerError) -> Failure | None:
-    """A rank's error as a ``replica_mismatch`` failure (its rank: the first suspect); None for others."""
-    found = error.detail.get("replica") if error.exc_type == "ReplicaMismatchError" else None
-    if not isinstance(found, dict):
-        return None
-    ranks = [int(r) for r in found.get("suspects") or []]
-    return Failure("replica_mismatch", min(ranks, default=error.rank), error.message, error)
-
-
-def suspect_ranks(failure: Failure) -> set[int]:
-    """The ranks whose processes must not be reused after ``failure`` (none unless a mismatch)."""
-    found = mismatch(failure)
-    return {int(r) for r in found.get("suspects") or []} if found else set()
-
-
-def agreed(info: CheckpointInfo) -> bool:
-    """Whether a checkpoint's manifest records a replica check that agreed at its own step."""
-    check = info.manifest.get("replica_check")
-    return isinstance(check, dict) and check.get("step") == info.step
-
-
-def roll_back(store: CheckpointStore, agreed_step: int, keep_every: int) -> dict[str, Any]:
-    """Take every checkpoint after ``agreed_step`` (the last check that agreed) off the run's path, so
-    that the next start, and every later one, resumes at or before it. Among them the best and the
-    milestones are set aside (``checkpoints/discarded/``) only when their manifest records an agreeing
-    check; the others are deleted. Returns the newest ``checkpoint_step`` left at or before it (None: the
-    run's start), the steps ``discarded`` (deleted) and ``set_aside``."""
-    off = store.discard_after(agreed_step, keep_every=keep_every, may_keep=agreed)
-    aside = sorted(store.last_set_aside)
-    left = [i.step for i in store.list() if i.step <= agreed_step]
-    return {
-        "checkpoint_step": left[-1] if left else None,
-        "discarded": [s for s in off if s not in aside],
-        "set_aside": aside,
-    }
-
-
-def after_mismatch(
-    failure: Failure,
-    storage: Storage,
-    fence: Callable[[], None] | None,
-    cfg: JobConfig,
-    event: Callable[..., None],
-    hosts: Sequence[str],
-    nodes: Sequence[str],
-    quarantine: Quarantine | None = None,
-) -> None:
-    """The driver, after a replica mismatch (whether or not it restarts): no checkpoint after the last
-    agreement is used again (:func:`roll_back`; every deletion checked by ``fence``, the run's lease), a
-    ``replica_mismatch`` event names the differing ranks, their hosts and nodes (``hosts``, ``nodes``: the
-    failed group's, by rank), and ``quarantine`` counts an incident on each suspect's node. The suspects'
-    processes are replaced by the salvage (:func:`suspect_ranks`), the others reload the checkpoint."""
-    found = mismatch(failure)
-    if found is None:
-        return
-    from cluster.run.checkpoint import CheckpointStore
-
-    store = CheckpointStore(storage)
-    store.fence = fence
-    ranks = [int(r) for r in found.get("suspects") or []]
-    back = roll_back(store, int(found.get("agreed_step") or 0), cfg.checkpoint.keep_every_steps)
-    suspect_nodes = [nodes[r] for r in ranks if r < len(nodes)]
-    event(
-        "replica_mismatch",
-        step=found.get("step"),
-        ranks=ranks,
-        hosts=[hosts[r] if r < len(hosts) else "" for r in ranks],
-        nodes=suspect_nodes,
-        agreed_step=found.get("agreed_step"),
-        params=found.get("params"),
-        digests=found.get("digests"),
-        **back,
-    )
-    if quarantine is not None:
-        quarantine.ranks("replica_mismatch", ranks, int(found.get("step") or 0), nodes, hosts)

@@ -48,7 +48,6 @@ from cluster.rank.evals import Evaluations
 from cluster.rank.evaluate import eval_batch_count
 from cluster.rank.faults import Faults
 from cluster.rank.pace import StepPace
-from cluster.rank.peer_transfer import PeerPlan, PeerState
 from cluster.rank.process import set_niceness, tune_process
 from cluster.rank.profiling import ProfileRequest, StepProfiler
 from cluster.rank.replica import ReplicaGuard, ReplicaMismatchError
@@ -59,6 +58,7 @@ from cluster.rank.train_state import RunPosition, Scheduler, capture, checkpoint
 from cluster.run.checkpoint import CheckpointStore, CommitRecord
 from cluster.run.lease import GENERATION_ENV, Fence
 from cluster.run.storage import PROBE_ENV, Storage, check_probe
+from cluster.seam.peers import PeerPlan, PeerState
 from cluster.seam.protocol import EpochResult, Heartbeat, ResumePoint, SetupInfo
 from cluster.spec.config import JobConfig
 from cluster.spec.schedule import HOLD_STEPS as HOLD_STEPS  # cluster.worker_group imports it from here

@@ -10,9 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from cluster.core.errors import Failure
-from cluster.rank.pace import Pace
-from cluster.rank.peer_transfer import PeerPlan, PeerState
 from cluster.run.checkpoint import CommitRecord
+from cluster.seam.peers import PeerPlan, PeerState
 from cluster.seam.preemption import DrainNotice
 from cluster.spec.config import JobConfig
 from cluster.spec.schedule import Window
@@ -98,6 +97,20 @@ class EpochResult:
     """Early stopping (``evaluation.patience``) ended the run at ``global_step``, checkpointed there."""
     best: dict[str, Any] | None = None
     """With ``early_stopped``: the best evaluation (``TrainState.best_eval``)."""
+
+
+@dataclass(frozen=True)
+class Pace:
+    """A rank's steps since its previous heartbeat: medians, so that a checkpoint or a log step does not
+    skew them."""
+
+    compute_s: float
+    """Step start to this rank's last gradient: the part of the step that is its own."""
+    step_s: float
+    """The whole step, waits for the other ranks included."""
+    steps: int
+    input_s: float = 0.0
+    """Of ``compute_s``, the host's wait for the step's batches (the input pipeline's share)."""
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,10 @@ import ray
 
 from cluster.core.errors import ConfigError
 from cluster.rank.dist import listen_on, store_address
-from cluster.rank.peer_transfer import PeerPlan, PeerState
 from cluster.rank.process import worker_env
 from cluster.rank.worker import Worker
 from cluster.run.checkpoint import CommitRecord
+from cluster.seam.peers import PeerPlan, PeerState
 from cluster.seam.protocol import EpochResult, Heartbeat, SetupInfo
 from cluster.spec.config import JobConfig
 from cluster.spec.schedule import Window

@@ -11,7 +11,7 @@ import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from cluster.core.errors import Failure, WorkerError
-from cluster.rank import replica
+from cluster.seam.mismatch import failure_of
 from cluster.worker_group.calls import short
 
 _COLLATERAL = ("Connection reset", "Connection closed", "Broken pipe", "Socket Timeout", "peer", "Gloo")
@@ -52,7 +52,7 @@ def classify(
     if user:
         rank, err = min(user.items(), key=lambda kv: (_collateral(_describe(kv[1])), kv[0]))
         cause = err.cause if isinstance(err.cause, WorkerError) else None
-        mismatch = replica.failure_of(cause) if cause is not None else None
+        mismatch = failure_of(cause) if cause is not None else None
         return mismatch or Failure("user_error", rank, str(cause) if cause else short(err), cause)
     return Failure("worker_died", None, short(exc))
 

@@ -17,9 +17,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.core.errors import Failure, ResourcesUnavailableError
 from cluster.rank.dist import share_gpus
-from cluster.rank.peer_transfer import PeerPlan
 from cluster.rank.worker import HOLD_STEPS
 from cluster.run.checkpoint import CommitRecord
+from cluster.seam.peers import PeerPlan
 from cluster.seam.preemption import DrainNotice
 from cluster.seam.protocol import EpochResult, Heartbeat, Salvage, SetupInfo
 from cluster.spec.config import JobConfig

@@ -16,8 +16,8 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from cluster.core.errors import Failure, device_broken
-from cluster.rank import replica
-from cluster.rank.peer_transfer import PeerState
+from cluster.seam.mismatch import suspect_ranks
+from cluster.seam.peers import PeerState
 from cluster.seam.protocol import EpochResult, Heartbeat, Salvage
 from cluster.worker_group.calls import kill, short
 from cluster.worker_group.classify import node_dead, rank_errors
@@ -195,7 +195,7 @@ def _dead(g: Gang, failure: Failure) -> tuple[set[int], set[str]]:
         failure.kind == "worker_died" or (g.cfg.scaling.use_gpu and device_broken(failure.error))
     ):
         dead.add(failure.rank)  # a CUDA error may be sticky (a device-side assert): that process goes
-    dead |= replica.suspect_ranks(failure)  # ranks whose parameters differed: never reused
+    dead |= suspect_ranks(failure)  # ranks whose parameters differed: never reused
     if hung_alone(failure) and failure.rank is not None:
         # SIGKILL by pid: a stopped process answers no actor call, but its sockets close at once, which
         # fails the collective its peers wait in

@@ -17,8 +17,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cluster.core.errors import WorkerError
-from cluster.rank.peer_transfer import plan_recovery
 from cluster.rank.worker import Worker
+from cluster.seam.peers import plan_recovery
 from cluster.spec.config import JobConfig
 from tests.multiprocess.mp_helpers import run_workers, tiny_config
 

@@ -15,10 +15,10 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from cluster.core.errors import WorkerError
-from cluster.rank.peer_transfer import plan_recovery
 from cluster.rank.worker import Worker
 from cluster.run.checkpoint import CheckpointStore
 from cluster.run.storage import Storage
+from cluster.seam.peers import plan_recovery
 from cluster.spec.config import JobConfig
 from tests.multiprocess.mp_helpers import run_workers, tiny_config
 from tests.support.tasks import MapStyleTask

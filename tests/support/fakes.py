@@ -18,8 +18,8 @@ import pytest
 
 from cluster.core.errors import Failure, ResourcesUnavailableError, WorkerError
 from cluster.driver.driver import Driver
-from cluster.rank.peer_transfer import PeerPlan, PeerState
 from cluster.run.checkpoint import CommitRecord
+from cluster.seam.peers import PeerPlan, PeerState
 from cluster.seam.preemption import DrainNotice
 from cluster.seam.protocol import EpochResult, Heartbeat, ResumePoint, Salvage, SetupInfo, StartCancelled
 from cluster.spec.config import JobConfig

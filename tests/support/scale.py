@@ -12,9 +12,8 @@ from typing import Any
 from cluster.core.errors import Failure
 from cluster.driver.driver import Driver
 from cluster.driver.policy import HangWatch, SlowRankWatch
-from cluster.rank.pace import Pace
-from cluster.rank.peer_transfer import PeerState
-from cluster.seam.protocol import EpochResult, Heartbeat, Salvage
+from cluster.seam.peers import PeerState
+from cluster.seam.protocol import EpochResult, Heartbeat, Pace, Salvage
 from tests.support.fakes import STEPS, ScriptedGroup, make
 
 N, DEAD, SLOW = 1000, 50, 7

@@ -12,9 +12,9 @@ import torch
 
 from cluster.core.errors import Failure, ResourcesUnavailableError, TrainingFailedError, WorkerError
 from cluster.driver.driver import Driver, Failed, FailurePolicy, Running, Starting
-from cluster.rank.peer_transfer import PeerPlan, PeerState
 from cluster.run.checkpoint import CheckpointStore, serialize, step_dir
 from cluster.run.logs import read_metrics
+from cluster.seam.peers import PeerPlan, PeerState
 from cluster.seam.protocol import Heartbeat, SetupInfo
 from cluster.spec.config import FailureConfig
 from cluster.spec.load import load_config

@@ -9,8 +9,8 @@ from collections.abc import Collection
 import pytest
 
 from cluster.core.errors import Failure
-from cluster.rank.peer_transfer import PeerState
 from cluster.run.checkpoint import CommitRecord
+from cluster.seam.peers import PeerState
 from cluster.seam.protocol import Salvage
 from tests.support.fakes import STEPS, ScriptedGroup, kinds, make
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from cluster.core.errors import Failure
-from cluster.rank.peer_transfer import PeerPlan
+from cluster.seam.peers import PeerPlan
 from cluster.seam.preemption import DrainNotice
 from cluster.seam.protocol import Heartbeat, SetupInfo
 from cluster.spec.config import JobConfig
@@ -179,7 +179,7 @@ class SlowOne(ScriptedGroup):
     """Rank 1's own part of each step is 3x the others' in every heartbeat; setup reports a node per rank."""
 
     def heartbeats(self, timeout: float = 2.0) -> list[Heartbeat | None]:
-        from cluster.rank.pace import Pace
+        from cluster.seam.protocol import Pace
 
         slow = self.attempt == 0  # the replacement keeps pace
         return [

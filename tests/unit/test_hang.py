@@ -10,8 +10,7 @@ import pytest
 from cluster.core.stacks import Frame, ThreadStack
 from cluster.driver.hang import hang_failure, judge, state_of
 from cluster.driver.policy import HangStats, HangWatch
-from cluster.rank.pace import Pace
-from cluster.seam.protocol import Heartbeat
+from cluster.seam.protocol import Heartbeat, Pace
 from cluster.spec.load import load_config
 
 pytestmark = pytest.mark.timeout(30)

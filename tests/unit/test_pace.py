@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from cluster.driver.policy import SLOW_ROUNDS, SlowRankWatch
-from cluster.rank.pace import KEEP_HOOKS, Pace, StepPace
-from cluster.seam.protocol import Heartbeat
+from cluster.rank.pace import KEEP_HOOKS, StepPace
+from cluster.seam.protocol import Heartbeat, Pace
 from cluster.spec.config import ConfigError
 from cluster.spec.load import load_config
 

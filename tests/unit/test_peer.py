@@ -5,17 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.rank.peer_transfer import (
-    BUCKET_BYTES,
-    PeerPlan,
-    PeerState,
-    _buckets,
-    _flatten,
-    _slots,
-    _unflatten,
-    plan_recovery,
-    state_digest,
-)
+from cluster.rank.peer_transfer import BUCKET_BYTES, _buckets, _flatten, _slots, _unflatten, state_digest
+from cluster.seam.peers import PeerPlan, PeerState, plan_recovery
 
 pytestmark = pytest.mark.timeout(30)
 
