@@ -37,7 +37,7 @@ from cluster.spec.task import Task
 
 if TYPE_CHECKING:
     from cluster.api.dryrun import DryRunReport, dry_run
-    from cluster.api.load import Checkpoint, evaluate_checkpoint, load_checkpoint, load_model
+    from cluster.api.load import evaluate_checkpoint, load_model
     from cluster.api.submit import SubmittedJob, submit
     from cluster.api.train import train
     from cluster.driver.driver import Driver
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from cluster.inspect import run_metrics
     from cluster.run.goodput import Goodput, run_goodput
     from cluster.run.requests import request_stop
+    from cluster.run.restore import Checkpoint, load_checkpoint
 
 # Imported on first use: a worker process imports this package (its actor class lives in it) but never the
 # driver, whose imports (pyarrow for the metrics files, tracking) cost each worker ~0.35 s of CPU at start.
@@ -54,8 +55,8 @@ _LAZY = {
     "FailurePolicy": "cluster.driver.policy",
     "Result": "cluster.driver.result",
     "train": "cluster.api.train",
-    "Checkpoint": "cluster.api.load",
-    "load_checkpoint": "cluster.api.load",
+    "Checkpoint": "cluster.run.restore",
+    "load_checkpoint": "cluster.run.restore",
     "load_model": "cluster.api.load",
     "evaluate_checkpoint": "cluster.api.load",
     "request_stop": "cluster.run.requests",

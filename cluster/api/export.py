@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 import torch
 
-from cluster.api.load import load_checkpoint
 from cluster.core.errors import ConfigError, StorageError
 from cluster.core.redact import redact_tree, redact_url
+from cluster.run.restore import load_checkpoint
 from cluster.run.storage import Storage
 
 logger = logging.getLogger(__name__)

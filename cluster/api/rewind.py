@@ -13,11 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.api.load import load_checkpoint
 from cluster.core.errors import CheckpointError, ConfigError
 from cluster.run.checkpoint import CheckpointStore
 from cluster.run.lease import Lease, LeaseHeldError
 from cluster.run.logs import EventLog
+from cluster.run.restore import load_checkpoint
 from cluster.run.storage import Storage
 
 

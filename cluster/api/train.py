@@ -146,7 +146,7 @@ def preflight(cfg: JobConfig, task: type[Task] | None = None) -> None:
         load_task_class(cfg.task)  # an unknown task is a config error, found before anything starts
     resolve_notify_url(cfg.tracking)  # env:NAME set where the driver runs
     if cfg.training.init_from is not None:
-        from cluster.api.load import check_init_from
+        from cluster.run.restore import check_init_from
 
         run = Storage(join(normalize_url(cfg.storage.url), cfg.name), cfg.storage.options)
         if not CheckpointStore(run).list():  # a run that resumes from its own checkpoint ignores init_from

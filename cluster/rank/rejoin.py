@@ -406,7 +406,7 @@ def init_from(raw_model: nn.Module, rank: int, cfg: JobConfig) -> dict[str, Any]
     """A new run's weights from another run's checkpoint (``training.init_from``): rank 0 picks the
     checkpoint, every rank loads that one (checksums verified) into its model. Every rank raises the
     same error when it cannot be used."""
-    from cluster.api.load import init_weights, load_checkpoint
+    from cluster.run.restore import init_weights, load_checkpoint
 
     t, options = cfg.training, cfg.storage.options
     choice: list[Any] = [None, None]

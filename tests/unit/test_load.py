@@ -98,7 +98,7 @@ def test_clear_errors(tmp_path: pathlib.Path) -> None:
 
 # ------------------------------------------------------------------ training.init_from
 def test_init_from_is_checked_before_anything_starts(tmp_path: pathlib.Path) -> None:
-    from cluster.api.load import check_init_from
+    from cluster.run.restore import check_init_from
 
     run, _ = make_run(tmp_path, [10, 20, 30])
     assert check_init_from(run, None, None) == 30  # the latest
@@ -115,7 +115,7 @@ def test_init_from_is_checked_before_anything_starts(tmp_path: pathlib.Path) -> 
 
 
 def test_init_weights_load_all_or_name_what_does_not_fit() -> None:
-    from cluster.api.load import init_weights
+    from cluster.run.restore import init_weights
 
     torch.manual_seed(0)
     src = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
