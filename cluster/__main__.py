@@ -38,8 +38,9 @@ import yaml
 
 from cluster import inspect
 from cluster.core.errors import CheckpointError, ConfigError, StorageError
+from cluster.core.urls import url_problem
 from cluster.inspect import plot
-from cluster.run.storage import Storage, url_problem
+from cluster.run.storage import Storage
 from cluster.spec import reference as docs
 
 T = TypeVar("T")

@@ -36,9 +36,9 @@ import sys
 from cluster import ClusterError, ConfigError, JobConfig, load_config, train
 from cluster.api import local_ray
 from cluster.api.train import ensure_ray, preflight
+from cluster.core.urls import join, normalize_url
 from cluster.driver.result import result_to_json
 from cluster.run.lease import LeaseHeldError
-from cluster.run.storage import join, normalize_url
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from cluster.core.errors import ConfigError
-from cluster.run.storage import Storage, is_local, join, normalize_url
+from cluster.core.urls import is_local, join, normalize_url
+from cluster.run.storage import Storage
 from cluster.spec.config import JobConfig
 from cluster.spec.load import load_config
 

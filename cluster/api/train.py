@@ -23,10 +23,11 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from cluster.api import local_ray
 from cluster.core.errors import ConfigError
+from cluster.core.urls import join, normalize_url
 from cluster.driver.result import Result
 from cluster.run.checkpoint import CheckpointStore
 from cluster.run.lease import Lease
-from cluster.run.storage import Storage, join, normalize_url
+from cluster.run.storage import Storage
 from cluster.seam.protocol import WorkerGroup
 from cluster.spec.config import JobConfig, resolve_notify_url
 from cluster.spec.task import Task, task_path

@@ -42,6 +42,7 @@ from cluster.core.errors import (
     StorageError,
     TrainingFailedError,
 )
+from cluster.core.urls import join, normalize_url
 from cluster.driver.control import DriverBeat, RunControl, dump_stacks, grace_note, start_profile
 from cluster.driver.hang import hang_failure
 from cluster.driver.moves import Cancel, Decision, GrowNow, MoveWatch, Prepare, StopFor
@@ -71,7 +72,7 @@ from cluster.run.checkpoint import CheckpointStore, CheckpointUnreadableError
 from cluster.run.lease import GENERATION_ENV, FencedError, Lease
 from cluster.run.quarantine import Quarantine
 from cluster.run.requests import PROFILE_FILE, STACKS_FILE
-from cluster.run.storage import PROBE_ENV, Storage, join, normalize_url, write_probe
+from cluster.run.storage import PROBE_ENV, Storage, write_probe
 from cluster.seam.peers import PeerPlan, plan_recovery
 from cluster.seam.preemption import Move
 from cluster.seam.protocol import EpochResult, GroupFactory, Salvage, SetupInfo, StartCancelled, WorkerGroup

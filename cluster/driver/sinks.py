@@ -26,7 +26,8 @@ from typing import Any, Protocol
 
 from cluster.core import events
 from cluster.core.redact import redact_text, redact_tree, redact_url
-from cluster.run.storage import Storage, is_local
+from cluster.core.urls import is_local
+from cluster.run.storage import Storage
 
 logger = logging.getLogger(__name__)
 

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.core.errors import CheckpointError, ClusterError, StorageError
+from cluster.core.urls import join, normalize_url
 from cluster.run.checkpoint import CheckpointInfo, CheckpointStore, best_of, score_of
 from cluster.run.lease import current as current_lease
 from cluster.run.lease import gone_here
 from cluster.run.logs import COMMIT_ROWS, concat_metrics, read_event_log, read_metric_parts
 from cluster.run.requests import DRIVER_GONE_S, driver_seen
-from cluster.run.storage import Storage, join, normalize_url
+from cluster.run.storage import Storage
 
 logger = logging.getLogger(__name__)
 

@@ -31,12 +31,13 @@ from typing import Any
 import torch
 
 from cluster.core.errors import CheckpointError, StorageError
+from cluster.core.urls import check_relative
 from cluster.run.state_bytes import check_loadable as check_loadable
 from cluster.run.state_bytes import deserialize as deserialize
 from cluster.run.state_bytes import loader_reason
 from cluster.run.state_bytes import nonfinite as nonfinite
 from cluster.run.state_bytes import serialize as serialize
-from cluster.run.storage import Storage, check_relative
+from cluster.run.storage import Storage
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cluster.core.errors import FencedError, LeaseHeldError, StorageError
-from cluster.run.storage import Storage, join, normalize_url
+from cluster.core.urls import join, normalize_url
+from cluster.run.storage import Storage
 
 if TYPE_CHECKING:
     from cluster.spec.config import JobConfig

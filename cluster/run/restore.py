@@ -13,8 +13,9 @@ from typing import Any, Literal
 from torch import nn
 
 from cluster.core.errors import CheckpointError, ConfigError, StorageError
+from cluster.core.urls import url_problem
 from cluster.run.checkpoint import CKPT_DIR, CheckpointStore, best_of, deserialize, score_of
-from cluster.run.storage import Storage, url_problem
+from cluster.run.storage import Storage
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import typing
 from typing import TYPE_CHECKING, Any
 
 from cluster.core.errors import ConfigError
-from cluster.run.storage import url_problem
+from cluster.core.urls import url_problem
 from cluster.spec.schedule import skip_windows
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
