@@ -664,9 +664,10 @@ def ended_early(info: CheckpointInfo, patience: int | None) -> bool:
 
 
 def _ray_version() -> str:
-    try:
-        import ray
+    """Ray's version, from its installed metadata (the driver imports no Ray of its own)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-        return str(ray.__version__)
-    except ImportError:  # pragma: no cover
+    try:
+        return version("ray")
+    except PackageNotFoundError:  # pragma: no cover
         return "missing"

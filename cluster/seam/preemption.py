@@ -2,7 +2,8 @@
 
 A cloud provider gives a notice (30 s to 2 min) before it takes a spot node; Ray learns it as a drain with a
 deadline (the autoscaler, or ``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION
---deadline-remaining-seconds N``, both call the GCS drain API). Ray places no new bundle on a draining node,
+--deadline-remaining-seconds N``, both call the GCS drain API; the worker group reads them:
+``cluster.worker_group.placement.draining_nodes``). Ray places no new bundle on a draining node,
 and refuses an idle-termination drain of a node that runs actors (so a node holding ranks is never taken as
 idle). What the driver does with a notice (docs/failures.md):
 
@@ -36,23 +37,6 @@ class DrainNotice:
         if self.deadline is None:
             return None
         return self.deadline - (time.time() if now is None else now)
-
-
-def draining_nodes() -> dict[str, float | None]:
-    """Ray's draining nodes that are still alive: node id (hex) -> deadline in seconds since the epoch, or
-    None for a drain without a deadline.
-
-    Ray 2.60 has no public reader for drains: this is the call Ray Train's own preemption watcher makes
-    (``ray._private.state.state.get_draining_nodes``, one GCS query; Ray keeps a node in it after it died,
-    hence the filter). Isolated here; ``tests/cluster/test_preemption.py`` fails loudly when Ray changes it.
-    """
-    import ray
-
-    drains: dict[str, int] = ray._private.state.state.get_draining_nodes()
-    if not drains:
-        return {}
-    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-    return {node: (ms / 1000.0 if ms else None) for node, ms in drains.items() if node in alive}
 
 
 @dataclass
