@@ -102,8 +102,8 @@ MOVES: dict[str, str] = {
 }
 
 PACKAGES: dict[str, str] = {
-    "core": "Layer 1: what every layer uses (errors, redaction, stacks, the event kinds); the standard "
-    "library only.",
+    "core": "Layer 1: what every layer uses (errors, redaction, stacks, the event kinds, URL checks); "
+    "imports no other layer.",
     "spec": "Layer 2: the job's description (config dataclasses, their validation, schedules, the Task "
     "interface, the config reference); imports core.",
     "run": "Layer 3: one run's folder in storage (storage, metrics and events files, checkpoints, the "

@@ -166,6 +166,33 @@ def test_config_keys_and_modules_named_in_docs_exist(page: str) -> None:
     assert missing == set(), f"{os.path.relpath(page, REPO)} runs `python -m` on modules that do not exist"
 
 
+_DOTTED = re.compile(r"(?<![\w.])cluster\.[A-Za-z_][\w.]*\w")
+
+
+def _resolves(name: str) -> bool:
+    """Whether ``cluster.a.b.c`` names a module, or an attribute of the longest module it starts with."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[i:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+@pytest.mark.parametrize("page", _pages(), ids=lambda p: os.path.relpath(p, REPO))
+def test_module_paths_named_in_docs_exist(page: str) -> None:
+    named = {m for span in _CODE.findall(_read(page)) for m in _DOTTED.findall(span)}
+    missing = sorted(m for m in named if not _resolves(m))
+    assert missing == [], f"{os.path.relpath(page, REPO)} names modules or names that do not exist (moved?)"
+
+
 def test_readme_test_command_is_what_ci_runs() -> None:
     with open(os.path.join(REPO, ".ci", "run")) as fh:
         lines = fh.read().splitlines()
