@@ -215,7 +215,12 @@ def rewrite_from_imports(text: str, todo: dict[str, str]) -> str:
         if node.module != "cluster" and not node.module.startswith("cluster."):
             continue
         base = node.module[len("cluster.") :] if node.module != "cluster" else ""
-        moved = [a for a in node.names if (f"{base}.{a.name}" if base else a.name) in todo]
+        moved = [
+            a
+            for a in node.names
+            # ``from cluster import submit`` is the public function, not the module
+            if (f"{base}.{a.name}" if base else a.name) in todo and (base or a.name not in PUBLIC_TOO)
+        ]
         if not moved:
             continue
         kept = [a for a in node.names if a not in moved]

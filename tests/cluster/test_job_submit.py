@@ -289,7 +289,7 @@ def test_the_python_api_submits_follows_and_stops_a_job(head: Head, storage_dir:
     from ray.job_submission import JobSubmissionClient
 
     from cluster import load_config
-    from cluster.api import submit as api_submit
+    from cluster import submit as api_submit
     from cluster.core.errors import ConfigError
 
     config = os.path.join(REPO, "jobs/configs/tiny_cpu.yaml")

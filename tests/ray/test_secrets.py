@@ -28,8 +28,7 @@ from typing import Any
 
 import pytest
 
-from cluster import load_config
-from cluster.api import submit
+from cluster import load_config, submit
 from cluster.api.export import export_checkpoint
 from tests.cluster.rayproc import EXCLUDES, REPO, Head
 from tests.ray.test_tracking import MlflowServer

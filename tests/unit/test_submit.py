@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 
-from cluster import load_config
-from cluster.api import submit
+from cluster import load_config, submit
 from cluster.api.submit import CONFIG_DIR, entrypoint, remove_config_file, write_config_file
 from cluster.core.errors import ConfigError
 
