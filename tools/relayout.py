@@ -11,8 +11,9 @@ What it rewrites, in ``cluster/``, ``tests/``, ``jobs/``, ``benchmarks/``, ``doc
   and ``monkeypatch`` targets, logger names, docstrings, the lazy names of ``cluster/__init__.py``);
 - ``from cluster import worker_recovery as recovery`` -> ``from cluster.rank import rejoin as recovery``
   (and the same from ``cluster.worker_group``);
-- paths: ``cluster/worker.py`` -> ``cluster/rank/worker.py`` (not after ``/`` or ``(``: those are made-up
-  stack frames in tests, or a stack's rendering, which shows a file's last two path parts).
+- paths: ``cluster/worker.py`` -> ``cluster/rank/worker.py``, also inside longer paths and stack lines
+  (``/app/cluster/worker.py``, ``(cluster/faults.py:12)``: a stack shows this package's files from
+  ``cluster/`` on).
 
 Only the modules whose old file is still there are moved and rewritten, so a second run changes nothing,
 and the script can be run again on a newer ``main``. Everything it does is mechanical; the moves that end
@@ -172,7 +173,7 @@ def dotted_pattern(todo: dict[str, str]) -> re.Pattern[str]:
 def path_pattern(todo: dict[str, str]) -> re.Pattern[str]:
     names = sorted((n.replace(".", "/") for n in todo), key=len, reverse=True)
     alts = "|".join(re.escape(n) for n in names)
-    return re.compile(rf"(?<![\w./(-])cluster/({alts})\.py(?!\w)")
+    return re.compile(rf"(?<![\w.-])cluster/({alts})\.py(?!\w)")
 
 
 def rewrite_text(text: str, todo: dict[str, str]) -> str:

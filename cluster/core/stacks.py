@@ -9,6 +9,7 @@ whose process holds the GIL in native code cannot answer, and is named as silent
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import time
@@ -187,9 +188,17 @@ def _library(path: str) -> bool:
     )
 
 
+_OURS = re.compile(r"(?:^|/)(cluster/(?:[a-z_]+/)?[a-z_]+\.py)$")
+"""A file of this package, wherever it was imported from: shown from ``cluster/`` on
+(``cluster/rank/step.py``), as its folder says which layer it is."""
+
+
 def _short_path(path: str) -> str:
     for marker in ("site-packages/", "dist-packages/"):
         if marker in path:
             return path.split(marker, 1)[1]
+    ours = _OURS.search(path)
+    if ours is not None:
+        return ours.group(1)
     parts = path.rsplit("/", 2)
     return "/".join(parts[-2:]) if len(parts) > 1 else path

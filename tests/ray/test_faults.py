@@ -187,7 +187,7 @@ def test_hang_is_detected_by_heartbeat_and_recovered(reference: dict, tmp_path: 
     (dump,) = events(run_url, "stacks")
     assert dump["kind"] == "hang" and dump["silent"] == [] and dump["time"] < failure["time"]
     where = {r: g["where"] for g in dump["groups"] for r in g["ranks"]}
-    assert "before_step (rank/faults.py:" in where[1], dump
+    assert "before_step (cluster/rank/faults.py:" in where[1], dump
     assert "torch/nn/parallel/distributed.py" in where[0] and "compute_loss" in where[0], dump
     text = Storage(run_url).read_bytes(dump["path"]).decode()
     assert "=== rank 0" in text and "=== rank 1" in text and "--- thread" in text and "(training)" in text

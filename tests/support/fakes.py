@@ -196,10 +196,10 @@ class ScriptedGroup:
     def stacks(self, timeout: float = 5.0) -> list[list[dict[str, Any]] | None]:
         """Rank 1 stands in user code, the others in an all-reduce waiting for it; rank 2 gives no answer."""
         waiting = [
-            ["/r/cluster/worker.py", 9, "_train_step", ""],
+            ["/r/cluster/rank/worker.py", 9, "_train_step", ""],
             ["/v/site-packages/torch/d.py", 5, "all_reduce", ""],
         ]
-        user = [["/r/cluster/worker.py", 9, "_train_step", ""], ["/r/mytask.py", 7, "compute_loss", ""]]
+        user = [["/r/cluster/rank/worker.py", 9, "_train_step", ""], ["/r/mytask.py", 7, "compute_loss", ""]]
         out: list[list[dict[str, Any]] | None] = []
         for r in range(self.world_size):
             frames = user if r == 1 else waiting

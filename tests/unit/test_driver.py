@@ -86,7 +86,7 @@ def test_hang_detected_by_heartbeat() -> None:
     assert [e["event"] for e in ev].index("stacks") < [e["event"] for e in ev].index("failure")
     assert dump["kind"] == "hang" and dump["reason"].startswith("hang: no progress")
     assert dump["groups"] == [
-        {"ranks": [0], "where": "all_reduce (torch/d.py:5) from _train_step (cluster/worker.py:9)"},
+        {"ranks": [0], "where": "all_reduce (torch/d.py:5) from _train_step (cluster/rank/worker.py:9)"},
         {"ranks": [1], "where": "compute_loss (r/mytask.py:7)"},
     ]
     assert driver.storage.read_bytes(dump["path"]).decode().startswith("# stacks of 2 rank(s): hang")

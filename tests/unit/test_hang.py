@@ -16,7 +16,10 @@ from cluster.spec.load import load_config
 pytestmark = pytest.mark.timeout(30)
 
 SITE = "/venv/lib/python3.12/site-packages"
-LOOP = [Frame("/app/cluster/worker.py", 450, "_train_epoch"), Frame("/app/cluster/step.py", 80, "train_step")]
+LOOP = [
+    Frame("/app/cluster/rank/worker.py", 450, "_train_epoch"),
+    Frame("/app/cluster/rank/step.py", 80, "train_step"),
+]
 ALLREDUCE = [*LOOP, Frame(f"{SITE}/torch/distributed/c10d_logger.py", 81, "wrapper")]
 BACKWARD = [
     *LOOP,
