@@ -1,6 +1,6 @@
 """The hand-written DDP worker: one process, one GPU (or CPU share). Plain Python, no Ray.
 
-Lifecycle, driven from outside (by the Ray actor in ``worker_group.py`` or by plain processes in tests):
+Lifecycle, driven from outside (the Ray actor of ``cluster.worker_group.actor``, or plain processes in tests):
 ``bind_store`` (rank 0 only) -> ``setup`` (process group, task, DDP wrap, resume: returns the
 :class:`TrainSession`) -> ``run_epoch`` per epoch (the driver owns the epoch, so ``set_epoch`` cannot be
 forgotten) -> ``finish`` -> ``shutdown``. ``reset`` ends the session but keeps the task and its dataset for a
