@@ -1,7 +1,7 @@
 """The hand-written training loop of the two reference arms of ``bench_ddp`` (bare DDP and Ray Train).
 
 Same model, data, optimizer, LR schedule, seed, global batch and checkpoint cadence as the product's worker
-(``cluster/worker.py``), written the way a user writes it by hand: ``DistributedSampler`` with
+(``cluster/rank/worker.py``), written the way a user writes it by hand: ``DistributedSampler`` with
 ``set_epoch``, per-rank batch ``B / W``, rank 0 checkpoints every ``ckpt_every_steps`` steps and at every
 epoch end, resume from the latest checkpoint by skipping the steps already done in that epoch.
 
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import DistributedSampler
 
-from cluster.task import Task, build_task
+from cluster.spec.task import Task, build_task
 
 Spec = dict[str, Any]
 State = dict[str, Any]
@@ -44,7 +44,7 @@ def train_loop(
 ) -> None:
     torch.set_num_threads(1)  # as torchrun's OMP_NUM_THREADS=1 and the product's cpus_per_worker=1
     if spec.get("tune_allocator"):  # bench_interleaved's like-for-like variant of the product's default
-        from cluster.process import tune_allocator
+        from cluster.rank.process import tune_allocator
 
         tune_allocator()
     kill_file = spec.get("kill_file") or ""

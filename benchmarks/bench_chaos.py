@@ -527,7 +527,7 @@ def collect(
                 out["skipped_steps"] = json.load(fh).get("skipped_steps", [])
         except FileNotFoundError:
             out["skipped_steps"] = []
-        from cluster.load import load_checkpoint
+        from cluster.run.restore import load_checkpoint
 
         weights: dict[str, Any] | None = dict(load_checkpoint(run_url, None, place.s3.options).model)
     else:

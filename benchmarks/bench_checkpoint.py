@@ -23,8 +23,8 @@ import tempfile
 
 import torch
 
-from cluster.checkpoint import CheckpointStore, CheckpointWriter
-from cluster.storage import Storage
+from cluster.run.checkpoint import CheckpointStore, CheckpointWriter
+from cluster.run.storage import Storage
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -134,8 +134,8 @@ def _fault_stats(
 def read_events(run: str) -> list[dict[str, Any]]:
     """Every record of a run's event log, oldest first (the product's own reader: a legacy
     ``events.jsonl``, then the ``events/*.jsonl`` segments)."""
-    from cluster.metrics import read_event_log
-    from cluster.storage import Storage
+    from cluster.run.logs import read_event_log
+    from cluster.run.storage import Storage
 
     return read_event_log(Storage(run))
 

@@ -11,8 +11,8 @@ import argparse
 import importlib
 import time
 
-from cluster.errors import Failure
-from cluster.group import EpochResult
+from cluster.core.errors import Failure
+from cluster.seam.protocol import EpochResult
 
 # The scripted group at scale, shared with the driver's scale test (imported by name: the tests are not typed)
 _scale = importlib.import_module("tests.support.scale")

@@ -8,9 +8,9 @@ process group, one thread each. Both arms run in the same processes, alternating
 repeats), on the same model, with a barrier before and after each; the figure is rank 0's seconds between
 the barriers.
 
-  product  ``cluster.evaluate.evaluate``: batches of the training micro-batch (32) in the set's order, batch
-           ``b`` on rank ``b % W``, batched reads (``get_batch``), per-batch means gathered once and summed
-           in batch order (bitwise the same at any world size)
+  product  ``cluster.rank.evaluate.evaluate``: batches of the training micro-batch (32) in the set's order,
+           batch ``b`` on rank ``b % W``, batched reads (``get_batch``), per-batch means gathered once and
+           summed in batch order (bitwise the same at any world size)
   bare     what the DDP tutorials write: ``DataLoader(TensorDataset, batch_size=32,
            sampler=DistributedSampler(shuffle=False))``, the forward under ``no_grad`` on the unwrapped model,
            then one ``all_reduce`` of (loss sum, count). ``DistributedSampler`` pads the set to a multiple of
@@ -20,8 +20,8 @@ With ``--read-ms X`` each batch read also waits X ms (a storage read's latency, 
 object storage has), and the arms are the product reading ahead (``read_ahead = True``, as
 ``ParquetDataset`` says: the next batch is read in a background thread) against the product reading in turn;
 the figure is product/inturn. With ``--loaders N`` too, the product reads in ``N`` loader processes per
-rank (``evaluation.loader_workers``, ``cluster.data.EvalLoader``, started before the timed repeats as a run
-starts them at its first evaluation) instead of a thread.
+rank (``evaluation.loader_workers``, ``cluster.data.pipeline.EvalLoader``, started before the timed repeats as
+a run starts them at its first evaluation) instead of a thread.
 
 Output: per repeat the seconds of each arm and product/bare (or product/inturn); the median ratio and a 95%
 t-interval of the mean ratio.
@@ -94,8 +94,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) ->
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        from cluster.config import load_config
-        from cluster.evaluate import evaluate
+        from cluster.rank.evaluate import evaluate
+        from cluster.spec.load import load_config
 
         store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
@@ -110,7 +110,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) ->
         wait = args.read_ms / 1000
         loader = None
         if args.loaders and wait:
-            from cluster.data import EvalLoader
+            from cluster.data.pipeline import EvalLoader
 
             loader = EvalLoader(_Slow(ds, wait, ahead=False), args.loaders, 2, torch.device("cpu"))
         for rep in range(args.repeats + 1):  # the first round warms both arms up and is dropped

@@ -2,8 +2,8 @@
 
     python -m benchmarks.bench_gpu_step [--epochs 4] [--repeats 2] [--loader-workers 2] [--json out.json]
 
-No Ray (the GPU machines have none): the product arm runs ``cluster.worker.Worker`` in a plain process, as
-the multiprocess tests do (rendezvous store, NCCL process group of 1, DDP, the product's input pipeline
+No Ray (the GPU machines have none): the product arm runs ``cluster.rank.worker.Worker`` in a plain process,
+as the multiprocess tests do (rendezvous store, NCCL process group of 1, DDP, the product's input pipeline
 with ``training.loader_workers`` processes and pinned memory, bf16 autocast, its bookkeeping, no
 checkpoints). The bare arm is what a user writes by hand: ``init_process_group("nccl")``, DDP,
 ``DataLoader(num_workers=k, pin_memory=True, persistent_workers=True)`` over ``DistributedSampler(seed=0)``,
@@ -115,8 +115,8 @@ def child_bare(epochs: int, loader_workers: int, prefetch: int) -> dict[str, Any
 def child_product(epochs: int, loader_workers: int, prefetch: int, storage: str) -> dict[str, Any]:
     import torch
 
-    from cluster.config import load_config
-    from cluster.worker import Worker
+    from cluster.rank.worker import Worker
+    from cluster.spec.load import load_config
 
     cfg = load_config(
         os.path.join(REPO, "jobs/configs/tiny_cpu.yaml"),

@@ -16,8 +16,8 @@ that preparing a rank's batch costs about as long as its step (``--prep-ratio``)
 
 Arms (each in fresh processes started with spawn; no Ray anywhere):
 
-  product     cluster.worker.Worker in plain processes (bind_store, setup, run_epoch per epoch, finish), as
-              the multiprocess tests run it, with training.loader_workers=K (``--loaders``, default 1)
+  product     cluster.rank.worker.Worker in plain processes (bind_store, setup, run_epoch per epoch, finish),
+              as the multiprocess tests run it, with training.loader_workers=K (``--loaders``, default 1)
   bare        hand-written DDP: DistributedSampler(shuffle, seed, drop_last) + set_epoch, DataLoader(
               num_workers=K, persistent_workers=True, pin_memory=False, prefetch_factor=2), the same order
   inthread    the product's worker with training.loader_workers=0 (the training thread fetches each batch)
@@ -50,7 +50,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import Dataset
 
-from cluster.task import Task
+from cluster.spec.task import Task
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARMS = ("product", "bare", "inthread")
@@ -158,9 +158,9 @@ def _best(fn: Any, n: int = 7) -> float:
 
 # ====================================================================== the arms (child processes)
 def _product(rank: int, port: int, work: str, spec: dict[str, Any], loaders: int) -> list[list[float]]:
-    from cluster.config import load_config
-    from cluster.process import worker_env
-    from cluster.worker import Worker
+    from cluster.rank.process import worker_env
+    from cluster.rank.worker import Worker
+    from cluster.spec.load import load_config
 
     cfg = load_config(
         os.path.join(REPO, "jobs/configs/tiny_cpu.yaml"),

@@ -28,7 +28,7 @@ Arms: ``product`` (cluster.train on an embedded Ray), ``bare`` (torch.multiproce
 (TorchTrainer), and ``bare_slow``: the bare arm with every step ``--slow-ms`` longer (a sleep before the
 forward pass). An arm may be named twice (``bare,bare``: an A/A check whose ratio must come out 1.00), and
 ``bare,bare_slow`` checks that the method resolves a slowdown of known size. Like-for-like variants:
-``bare_tuned`` (the bare loop with the product's allocator tuning, ``cluster.process.tune_allocator``),
+``bare_tuned`` (the bare loop with the product's allocator tuning, ``cluster.rank.process.tune_allocator``),
 ``product_system`` (the product with ``scaling.tune_allocator=false``), ``product_nice15`` (the ranks at
 Ray's default niceness 15: ``scaling.worker_niceness=null``, ``RAY_worker_niceness=15``) and ``bare_thread``
 (the bare loop on a second thread, as the product's actor runs it). Every variant is a config setting, an

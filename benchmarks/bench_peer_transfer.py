@@ -6,8 +6,8 @@ Two processes on this machine, one gloo process group. Rank 0 holds a model (a s
 and an AdamW optimizer after one step, so its state (weights + two moments) is ``--gib`` GiB. Rank 1 holds the
 same model freshly built and an optimizer with no state: a replacement rank. Per repeat, rank 1 gets the state
 
-  peers     ``cluster.peer.broadcast_state`` from rank 0, load into model and optimizer, digest check: what a
-            recovery from peers does (``Worker._receive``)
+  peers     ``cluster.rank.peer_transfer.broadcast_state`` from rank 0, load into model and optimizer, digest
+            check: what a recovery from peers does (``Worker._receive``)
   storage   ``CheckpointStore.load_latest`` of the checkpoint rank 0 committed to a local folder (read, verify
             every checksum, deserialize), load into model and optimizer: what every rank of a checkpoint
             recovery does
@@ -50,9 +50,9 @@ def _entry(rank: int, port: int, gib: float, repeats: int, work: str) -> None:
         import torch
         import torch.distributed as dist
 
-        from cluster.checkpoint import CheckpointStore
-        from cluster.peer import broadcast_state, state_digest
-        from cluster.storage import Storage
+        from cluster.rank.peer_transfer import broadcast_state, state_digest
+        from cluster.run.checkpoint import CheckpointStore
+        from cluster.run.storage import Storage
 
         torch.set_num_threads(1)
         store = dist.TCPStore(
@@ -124,7 +124,7 @@ def _entry(rank: int, port: int, gib: float, repeats: int, work: str) -> None:
 
 
 def _ser(obj: Any) -> bytes:
-    from cluster.checkpoint import serialize
+    from cluster.run.checkpoint import serialize
 
     return serialize(obj)
 

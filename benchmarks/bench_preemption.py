@@ -126,8 +126,8 @@ def child_product(spec: dict[str, Any], work: str, ignore: bool) -> dict[str, An
 
     from cluster import load_config, train
     from cluster.inspect import read_events
-    from cluster.metrics import read_metrics
-    from cluster.storage import Storage
+    from cluster.run.logs import read_metrics
+    from cluster.run.storage import Storage
 
     cluster = start_cluster(work)
     steps_per_epoch = spec["steps"] // spec["epochs"]

@@ -36,8 +36,8 @@ import time
 import torch
 
 from benchmarks.bench_checkpoint import make_state
-from cluster.checkpoint import CheckpointInfo, CheckpointStore, serialize
-from cluster.storage import Storage
+from cluster.run.checkpoint import CheckpointInfo, CheckpointStore, serialize
+from cluster.run.storage import Storage
 
 
 class NoReadBack(CheckpointStore):

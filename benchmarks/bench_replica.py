@@ -1,6 +1,6 @@
 """The replica guard's cost against a training step: what ``failures.replica_check_steps`` must be for the
 check to take at most 0.5% of the step time; and the same for the rollback copies in memory
-(``failures.nan_snapshot_steps``, ``cluster.snapshots``).
+(``failures.nan_snapshot_steps``, ``cluster.rank.rollback_points``).
 
     .venv/bin/python -m benchmarks.bench_replica                    # CPU: 2 gloo ranks, tiny_cpu's char-LM
     .venv/bin/python -m benchmarks.bench_replica --steps 10 --checks 10   # smoke
@@ -36,11 +36,12 @@ import torch.multiprocessing as mp
 import yaml
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from cluster.config import FailureConfig, load_config
-from cluster.replica import ReplicaGuard
-from cluster.snapshots import MemorySnapshots
-from cluster.task import build_task
-from cluster.train_state import RunPosition
+from cluster.rank.replica import ReplicaGuard
+from cluster.rank.rollback_points import MemorySnapshots
+from cluster.rank.train_state import RunPosition
+from cluster.spec.config import FailureConfig
+from cluster.spec.load import load_config
+from cluster.spec.task import build_task
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGET = 0.005

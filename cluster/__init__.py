@@ -9,18 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from cluster.config import (
-    CheckpointConfig,
-    FailureConfig,
-    FaultSpec,
-    JobConfig,
-    ScalingConfig,
-    StorageConfig,
-    TrainingConfig,
-    load_config,
-)
-from cluster.data import ResumableDistributedSampler, TensorBatchDataset, read_parquet
-from cluster.errors import (
+from cluster.core.errors import (
     CheckpointError,
     ClusterError,
     ConfigError,
@@ -32,39 +21,52 @@ from cluster.errors import (
     TrainingFailedError,
     WorkerError,
 )
-from cluster.parquet import ParquetDataset
-from cluster.task import Task
+from cluster.data.parquet import ParquetDataset
+from cluster.data.pipeline import ResumableDistributedSampler, TensorBatchDataset, read_parquet
+from cluster.spec.config import (
+    CheckpointConfig,
+    FailureConfig,
+    FaultSpec,
+    JobConfig,
+    ScalingConfig,
+    StorageConfig,
+    TrainingConfig,
+)
+from cluster.spec.load import load_config
+from cluster.spec.task import Task
 
 if TYPE_CHECKING:
-    from cluster.api import Result, train
-    from cluster.control import request_stop
-    from cluster.driver import Driver
-    from cluster.dryrun import DryRunReport, dry_run
-    from cluster.goodput import Goodput, run_goodput
+    from cluster.api.driver import Driver
+    from cluster.api.dryrun import DryRunReport, dry_run
+    from cluster.api.load import evaluate_checkpoint, load_model
+    from cluster.api.submit import SubmittedJob, submit
+    from cluster.api.train import train
+    from cluster.driver.policy import FailurePolicy
+    from cluster.driver.result import Result
     from cluster.inspect import run_metrics
-    from cluster.load import Checkpoint, evaluate_checkpoint, load_checkpoint, load_model
-    from cluster.policy import FailurePolicy
-    from cluster.submit import SubmittedJob, submit
+    from cluster.run.goodput import Goodput, run_goodput
+    from cluster.run.requests import request_stop
+    from cluster.run.restore import Checkpoint, load_checkpoint
 
 # Imported on first use: a worker process imports this package (its actor class lives in it) but never the
 # driver, whose imports (pyarrow for the metrics files, tracking) cost each worker ~0.35 s of CPU at start.
 _LAZY = {
-    "Driver": "cluster.driver",
-    "FailurePolicy": "cluster.policy",
-    "Result": "cluster.api",
-    "train": "cluster.api",
-    "Checkpoint": "cluster.load",
-    "load_checkpoint": "cluster.load",
-    "load_model": "cluster.load",
-    "evaluate_checkpoint": "cluster.load",
-    "request_stop": "cluster.control",
-    "dry_run": "cluster.dryrun",
+    "Driver": "cluster.api.driver",
+    "FailurePolicy": "cluster.driver.policy",
+    "Result": "cluster.driver.result",
+    "train": "cluster.api.train",
+    "Checkpoint": "cluster.run.restore",
+    "load_checkpoint": "cluster.run.restore",
+    "load_model": "cluster.api.load",
+    "evaluate_checkpoint": "cluster.api.load",
+    "request_stop": "cluster.run.requests",
+    "dry_run": "cluster.api.dryrun",
     "run_metrics": "cluster.inspect",
-    "run_goodput": "cluster.goodput",
-    "Goodput": "cluster.goodput",
-    "submit": "cluster.submit",
-    "SubmittedJob": "cluster.submit",
-    "DryRunReport": "cluster.dryrun",
+    "run_goodput": "cluster.run.goodput",
+    "Goodput": "cluster.run.goodput",
+    "submit": "cluster.api.submit",
+    "SubmittedJob": "cluster.api.submit",
+    "DryRunReport": "cluster.api.dryrun",
 }
 
 

@@ -36,9 +36,12 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
-from cluster import docs, inspect, plot
-from cluster.errors import CheckpointError, ConfigError, StorageError
-from cluster.storage import Storage, url_problem
+from cluster import inspect
+from cluster.core.errors import CheckpointError, ConfigError, StorageError
+from cluster.core.urls import url_problem
+from cluster.inspect import plot
+from cluster.run.storage import Storage
+from cluster.spec import reference as docs
 
 T = TypeVar("T")
 
@@ -300,7 +303,7 @@ def _step_arg(value: str | None) -> int | Literal["best"] | None:
 
 
 def _eval(args: argparse.Namespace, options: dict[str, Any]) -> int:
-    from cluster.load import evaluate_checkpoint
+    from cluster.api.load import evaluate_checkpoint
 
     for flag, value in (("--batch-size", args.batch_size), ("--max-batches", args.max_batches)):
         if value is not None and value < 1:
@@ -329,7 +332,7 @@ def _eval(args: argparse.Namespace, options: dict[str, Any]) -> int:
 
 
 def _export(args: argparse.Namespace, options: dict[str, Any]) -> int:
-    from cluster.export import export_checkpoint
+    from cluster.api.export import export_checkpoint
 
     storage = inspect.open_run(args.url, args.name, options)
     step = _step_arg(args.step)
@@ -347,7 +350,7 @@ def _export(args: argparse.Namespace, options: dict[str, Any]) -> int:
 
 
 def _rewind(args: argparse.Namespace, options: dict[str, Any]) -> int:
-    from cluster.rewind import rewind
+    from cluster.api.rewind import rewind
 
     storage = inspect.open_run(args.url, args.name, options)
     try:
@@ -373,7 +376,7 @@ def _rewind(args: argparse.Namespace, options: dict[str, Any]) -> int:
 
 
 def _unquarantine(args: argparse.Namespace, options: dict[str, Any]) -> int:
-    from cluster.quarantine import unquarantine
+    from cluster.run.quarantine import unquarantine
 
     storage = inspect.open_run(args.url, None, options)
     try:
@@ -386,8 +389,8 @@ def _unquarantine(args: argparse.Namespace, options: dict[str, Any]) -> int:
 
 
 def _stop(args: argparse.Namespace, options: dict[str, Any]) -> int:
-    from cluster.control import write_stop_request
-    from cluster.lease import current as current_lease
+    from cluster.run.lease import current as current_lease
+    from cluster.run.requests import write_stop_request
 
     storage, problem = _running_run(args, options)
     if problem is not None:
@@ -421,7 +424,7 @@ def _stop(args: argparse.Namespace, options: dict[str, Any]) -> int:
 
 
 def _stacks(args: argparse.Namespace, options: dict[str, Any]) -> int:
-    from cluster.control import write_stacks_request
+    from cluster.run.requests import write_stacks_request
 
     storage, problem = _running_run(args, options)
     if problem is not None:
@@ -445,8 +448,8 @@ def _stacks(args: argparse.Namespace, options: dict[str, Any]) -> int:
 
 
 def _profile(args: argparse.Namespace, options: dict[str, Any]) -> int:
-    from cluster.control import write_profile_request
-    from cluster.profiling import MAX_STEPS, table_name, trace_name
+    from cluster.rank.profiling import table_name, trace_name
+    from cluster.run.requests import MAX_STEPS, write_profile_request
 
     if not 1 <= args.steps <= MAX_STEPS:
         return _error(f"error: --steps {args.steps} must be 1 to {MAX_STEPS}", 2)
@@ -500,13 +503,14 @@ def _poll_until(wait_s: float, check: Callable[[], T | None], every_s: float = 0
 def _running_run(args: argparse.Namespace, options: dict[str, Any]) -> tuple[Any, str | None]:
     """The run a request command names, and why no job can answer a request to it (it ended, or its
     driver is gone); None when one can."""
-    from cluster.control import driver_seen
-    from cluster.lease import current as current_lease
-    from cluster.lease import gone_here
+    from cluster.run.lease import current as current_lease
+    from cluster.run.lease import gone_here
+    from cluster.run.requests import driver_seen
 
     storage = inspect.open_run(args.url, args.name, options)
     status = inspect.live_status(storage, inspect.read_events(storage))
-    holder = current_lease(storage)  # who writes the run (cluster.lease): runs of earlier versions have none
+    # who writes the run (cluster.run.lease): runs of earlier versions have none
+    holder = current_lease(storage)
     if holder is not None:
         if not holder.released and gone_here(holder):
             return storage, (

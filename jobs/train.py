@@ -33,10 +33,12 @@ import os
 import signal
 import sys
 
-from cluster import ClusterError, ConfigError, JobConfig, load_config, local_ray, train
-from cluster.api import ensure_ray, preflight, result_to_json
-from cluster.lease import LeaseHeldError
-from cluster.storage import join, normalize_url
+from cluster import ClusterError, ConfigError, JobConfig, load_config, train
+from cluster.api import local_ray
+from cluster.api.train import ensure_ray, preflight
+from cluster.core.urls import join, normalize_url
+from cluster.driver.result import result_to_json
+from cluster.run.lease import LeaseHeldError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         return _refuse(f"config error: {exc}")
     if args.dry_run:
-        from cluster.dryrun import DryRunError, dry_run, format_report
+        from cluster.api.dryrun import DryRunError, dry_run, format_report
 
         try:
             print(format_report(dry_run(cfg, args.device), cfg))

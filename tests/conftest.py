@@ -75,11 +75,11 @@ class SessionRay:
                 runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}},
             )
             return
-        from cluster import local_ray
+        from cluster.api import local_ray
 
-        # The embedded Ray a user's `python -m jobs.train` starts (cluster/local_ray.py: its quiet settings,
-        # no runtime_env, so actors take the workers Ray prestarts), in a temp folder of the session's own;
-        # its workers inherit this environment, the repository on PYTHONPATH included.
+        # The embedded Ray a user's `python -m jobs.train` starts (cluster/api/local_ray.py: its quiet
+        # settings, no runtime_env, so actors take the workers Ray prestarts), in a temp folder of the
+        # session's own; its workers inherit this environment, the repository on PYTHONPATH included.
         path = os.environ.get("PYTHONPATH")
         saved = {"RAY_TMPDIR": os.environ.get("RAY_TMPDIR"), "PYTHONPATH": path}
         os.environ.update(RAY_TMPDIR=self.temp, PYTHONPATH=REPO if not path else f"{REPO}{os.pathsep}{path}")
@@ -120,7 +120,7 @@ class SessionRay:
         if self.temp is None:
             return
         if ray.is_initialized():
-            from cluster import local_ray
+            from cluster.api import local_ray
 
             local_ray.shutdown()
         shutil.rmtree(self.temp, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""Where does the product's per-step time go? The product's own ``cluster.worker.Worker`` without Ray.
+"""Where does the product's per-step time go? The product's own ``cluster.rank.worker.Worker`` without Ray.
 
     RAY_AUTH_MODE=disabled .venv/bin/python -m benchmarks.diag.step [--epochs 2] [--repeats 2]
 
@@ -33,8 +33,8 @@ from benchmarks.bench_ddp import REPO, TASK_ARGS, _read_steplog
 
 def _worker_entry(rank: int, world: int, work: str, epochs: int, threaded: bool) -> None:
     from cluster import load_config
-    from cluster.process import worker_env
-    from cluster.worker import Worker
+    from cluster.rank.process import worker_env
+    from cluster.rank.worker import Worker
 
     cfg = load_config(
         os.path.join(REPO, "jobs/configs/tiny_cpu.yaml"),

@@ -5,14 +5,14 @@
 - :mod:`cluster.inspect.records`: ``show``'s report: failures with their recoveries, drain notices, slow
   ranks, each assembled from the event log.
 - :mod:`cluster.inspect.render`: those as text (``list``, ``show``) and ``watch``'s loop; events read as
-  :mod:`cluster.events` renders them.
+  :mod:`cluster.core.events` renders them.
 
 The names below are the package's interface (``cluster.run_metrics`` and ``python -m cluster`` use it).
 """
 
 from __future__ import annotations
 
-from cluster.events import WATCHED, human_bytes
+from cluster.core.events import WATCHED, human_bytes
 from cluster.inspect.records import (
     FailureRecord,
     PreemptionRecord,

@@ -7,10 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.config import JobConfig
-from cluster.control import driver_seen
-from cluster.events import SHOWN
-from cluster.goodput import goodput_of
+from cluster.core.events import SHOWN
 from cluster.inspect.runs import (
     CheckpointRow,
     RunSummary,
@@ -20,9 +17,12 @@ from cluster.inspect.runs import (
     read_run_json,
     summarize,
 )
-from cluster.metrics import read_metrics
-from cluster.quarantine import show_lines
-from cluster.storage import Storage
+from cluster.run.goodput import goodput_of
+from cluster.run.logs import read_metrics
+from cluster.run.quarantine import show_lines
+from cluster.run.requests import driver_seen
+from cluster.run.storage import Storage
+from cluster.spec.config import JobConfig
 
 
 @dataclass(frozen=True)
@@ -70,11 +70,11 @@ class RunReport:
     driver: dict[str, Any] | None = None
     """What the run's driver last wrote to ``driver.json`` (host, pid, state, step, ``age_s``)."""
     goodput: dict[str, Any] | None = None
-    """The run's goodput account (``cluster.goodput.Goodput.to_dict``); None for runs from before it."""
+    """The run's goodput account (``cluster.run.goodput.Goodput.to_dict``); None for runs from before it."""
     defaults: dict[str, Any] = field(default_factory=dict)
     """The default of every config key (flattened), to list only the settings a run changed."""
     quarantine: list[str] = field(default_factory=list)
-    """``show``'s lines on the nodes with incidents (``cluster.quarantine.show_lines``)."""
+    """``show``'s lines on the nodes with incidents (``cluster.run.quarantine.show_lines``)."""
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """What ``python -m cluster list|show|watch`` print: the read model of :mod:`cluster.inspect.runs` and
 :mod:`cluster.inspect.records` as text (one function per section of ``show``), and ``watch``'s loop.
-Events read as :mod:`cluster.events` renders them."""
+Events read as :mod:`cluster.core.events` renders them."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import json
 import time
 from typing import Any
 
-from cluster import events
-from cluster.events import WATCHED, human_bytes
-from cluster.events import fmt as _fmt
-from cluster.goodput import Goodput
+from cluster.core import events
+from cluster.core.events import WATCHED, human_bytes
+from cluster.core.events import fmt as _fmt
+from cluster.core.redact import redact_config
 from cluster.inspect.records import FailureRecord, PreemptionRecord, RunReport, SlowRankRecord, flatten
 from cluster.inspect.runs import (
     RUNNING,
@@ -21,8 +21,8 @@ from cluster.inspect.runs import (
     live_status,
     read_events,
 )
-from cluster.redact import redact_config
-from cluster.storage import Storage
+from cluster.run.goodput import Goodput
+from cluster.run.storage import Storage
 
 WATCH_WIDTH = 240
 """``watch`` cuts a line longer than this (a long error message)."""
@@ -217,7 +217,8 @@ def _preemptions_section(preemptions: list[PreemptionRecord]) -> list[str]:
 
 
 def _events_section(other_events: list[dict[str, Any]]) -> list[str]:
-    """The events of :data:`cluster.events.SHOWN`, one line each (where the ranks stood: a line a group)."""
+    """The events of :data:`cluster.core.events.SHOWN`, one line each (where the ranks stood: a line a
+    group)."""
     out = []
     for e in other_events:
         if e.get("event") in ("rollback", "rewound"):
@@ -350,7 +351,7 @@ def format_evaluations(rows: list[dict[str, Any]], last: int = 10) -> list[str]:
 
 # --------------------------------------------------------------------------------------------- watch
 def event_line(e: dict[str, Any]) -> str:
-    """One short line for an event, as ``watch`` prints it: its :func:`cluster.events.line`, cut at
+    """One short line for an event, as ``watch`` prints it: its :func:`cluster.core.events.line`, cut at
     ``WATCH_WIDTH``."""
     text = events.line(e.get("event"), e)
     return text if len(text) <= WATCH_WIDTH else text[: WATCH_WIDTH - 3] + "..."

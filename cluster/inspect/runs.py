@@ -1,7 +1,7 @@
 """Reading runs back from storage: finding them, their events, status, checkpoints and metrics.
 
 Everything here reads the public contract of a run folder (``run.json``, ``events/``, ``metrics/``,
-``checkpoints/``) through :class:`~cluster.storage.Storage`, so it works on any fsspec URL, while the run
+``checkpoints/``) through :class:`~cluster.run.storage.Storage`, so it works on any fsspec URL, while the run
 is going or long after. A run is any folder directly under the storage URL that holds a ``run.json``.
 """
 
@@ -13,21 +13,22 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.checkpoint import CheckpointInfo, CheckpointStore, best_of, score_of
-from cluster.control import DRIVER_GONE_S, driver_seen
-from cluster.errors import CheckpointError, ClusterError, StorageError
-from cluster.lease import current as current_lease
-from cluster.lease import gone_here
-from cluster.metrics import COMMIT_ROWS, concat_metrics, read_event_log, read_metric_parts
-from cluster.storage import Storage, join, normalize_url
+from cluster.core.errors import CheckpointError, ClusterError, StorageError
+from cluster.core.urls import join, normalize_url
+from cluster.run.checkpoint import CheckpointInfo, CheckpointStore, best_of, score_of
+from cluster.run.lease import current as current_lease
+from cluster.run.lease import gone_here
+from cluster.run.logs import COMMIT_ROWS, concat_metrics, read_event_log, read_metric_parts
+from cluster.run.requests import DRIVER_GONE_S, driver_seen
+from cluster.run.storage import Storage
 
 logger = logging.getLogger(__name__)
 
 FINISHED, FAILED, UNFINISHED = "finished", "failed", "running/interrupted"
 RUNNING, INTERRUPTED = "running", "interrupted"
-"""Unfinished, told apart by the driver's ``driver.json`` (``cluster.control.DriverBeat``): written within
-``DRIVER_GONE_S``, or not; and ``interrupted`` at once when the run's lease names a driver on this machine
-whose process is gone. Runs from before both stay ``running/interrupted``."""
+"""Unfinished, told apart by the driver's ``driver.json`` (``cluster.driver.control.DriverBeat``): written
+within ``DRIVER_GONE_S``, or not; and ``interrupted`` at once when the run's lease names a driver on this
+machine whose process is gone. Runs from before both stay ``running/interrupted``."""
 STOPPED = "stopped"
 """Stopped on request (Ctrl-C, ``ray job stop``, ``python -m cluster stop``) with a checkpoint: resumable."""
 
@@ -120,10 +121,10 @@ def final_path(rows: list[dict[str, Any]], events: list[dict[str, Any]]) -> list
     weights that were kept saw it.
 
     "Later" is read without clocks where the rows say where they were written (``_seq``: how many events the
-    log held then, see ``cluster.metrics.write_metrics``): a rank's clock behind the driver's drops nothing.
+    log held then, see ``cluster.run.logs.write_metrics``): a rank's clock behind the driver's drops nothing.
     Rows of earlier versions, without it, are placed by their time.
 
-    Rows marked ``_copy`` (the ones rank 0 wrote beside its commits, ``cluster.metrics.COMMIT_ROWS``) fill
+    Rows marked ``_copy`` (the ones rank 0 wrote beside its commits, ``cluster.run.logs.COMMIT_ROWS``) fill
     only the steps no other row of their kind covers: a driver killed before it wrote them."""
     if rows and all(isinstance(r.get("_seq"), int) for r in rows):
         return _fill_from_copies(_final_by_seq(rows, events))
@@ -230,7 +231,7 @@ def run_status(events: list[dict[str, Any]]) -> str:
 def live_status(storage: Storage, events: list[dict[str, Any]]) -> str:
     """``run_status``, with an unfinished run told ``running`` or ``interrupted`` by its driver's beat, and at
     once ``interrupted`` when the driver holding the run's lease ran on this machine and its process is gone
-    (``cluster.lease.gone_here``: a SIGKILLed driver's driver.json still looks fresh for a while)."""
+    (``cluster.run.lease.gone_here``: a SIGKILLed driver's driver.json still looks fresh for a while)."""
     status = run_status(events)
     if status != UNFINISHED:
         return status

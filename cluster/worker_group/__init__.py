@@ -1,17 +1,19 @@
-"""The Ray side of the workers: the implementation of :class:`cluster.group.WorkerGroup` on Ray.
+"""The Ray side of the workers: the implementation of :class:`cluster.seam.protocol.WorkerGroup` on Ray.
 
-- ``group``: :class:`RayWorkerGroup` (start and rendezvous, epochs, heartbeats, stop, moves, shutdown);
-- ``actor``: the Ray actor wrapping :class:`cluster.worker.Worker`, and the same-code check;
+- ``ray_group``: :class:`RayWorkerGroup` (start and rendezvous, epochs, heartbeats, stop, moves, shutdown);
+- ``actor``: the Ray actor wrapping :class:`cluster.rank.worker.Worker`, and the same-code check;
 - ``placement``: placement groups, room for more ranks, drain notices;
 - ``spare``: the hot spare;
-- ``classify``: Ray's and the actors' errors as a :class:`cluster.errors.Failure`;
-- ``salvage``: workers kept for the next group, after a failure or a stop;
+- ``classify``: Ray's and the actors' errors as a :class:`cluster.core.errors.Failure`;
+- ``salvage``: workers kept for the next group, after a failure or a stop (over the ``gang``: what it may
+  read and change of the live group);
+- ``suspect``: ending a hung rank's process;
 - ``calls``: waiting for and killing actors.
 """
 
-from cluster.worker_group.actor import _TRAINING_MODULES, code_fingerprint
-from cluster.worker_group.group import CONNECT_WAVE, RayWorkerGroup, connect_waves
+from cluster.worker_group.actor import TRAINING_FOLDERS, code_fingerprint
 from cluster.worker_group.placement import NODE_ID_LABEL, avoid_selector
+from cluster.worker_group.ray_group import CONNECT_WAVE, RayWorkerGroup, connect_waves
 from cluster.worker_group.salvage import RELEASE_MAX_S, RELEASE_S, wait_released
 
 __all__ = [
@@ -19,7 +21,7 @@ __all__ = [
     "NODE_ID_LABEL",
     "RELEASE_MAX_S",
     "RELEASE_S",
-    "_TRAINING_MODULES",
+    "TRAINING_FOLDERS",
     "RayWorkerGroup",
     "avoid_selector",
     "code_fingerprint",

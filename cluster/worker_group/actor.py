@@ -1,5 +1,5 @@
-"""The Ray actor that runs one rank: a thin wrapper over :class:`cluster.worker.Worker`, and the check that
-every rank imported the same ``cluster`` code as the driver.
+"""The Ray actor that runs one rank: a thin wrapper over :class:`cluster.rank.worker.Worker`, and the check
+that every rank imported the same ``cluster`` code as the driver.
 
 The actor runs with ``max_concurrency=2`` so the driver's heartbeat call (``heartbeat``) is answered while
 ``run_epoch`` is busy training. Its class keeps the name ``_WorkerActor``: Ray titles the process
@@ -18,14 +18,15 @@ from typing import Any
 
 import ray
 
-from cluster.checkpoint import CommitRecord
-from cluster.config import JobConfig, Window
-from cluster.dist import listen_on, store_address
-from cluster.errors import ConfigError
-from cluster.group import EpochResult, Heartbeat, SetupInfo
-from cluster.peer import PeerPlan, PeerState
-from cluster.process import worker_env
-from cluster.worker import Worker
+from cluster.core.errors import ConfigError
+from cluster.rank.dist import listen_on, store_address
+from cluster.rank.process import worker_env
+from cluster.rank.worker import Worker
+from cluster.run.checkpoint import CommitRecord
+from cluster.seam.peers import PeerPlan, PeerState
+from cluster.seam.protocol import EpochResult, Heartbeat, SetupInfo
+from cluster.spec.config import JobConfig
+from cluster.spec.schedule import Window
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class _WorkerActor:
         return self.worker.use_gpus(visible, index)
 
     def bind_store(self, spans_nodes: bool = True) -> tuple[str, int]:
-        """Bind rank 0's store on the one address of ``cluster.dist.store_address``; return it and the
+        """Bind rank 0's store on the one address of ``cluster.rank.dist.store_address``; return it and the
         port (what every rank connects to)."""
         s = self.worker.cfg.scaling
         host = store_address(ray.util.get_node_ip_address(), spans_nodes, s.socket_ifname)
@@ -79,7 +80,7 @@ class _WorkerActor:
 
     def _listen_near(self, store_host: str) -> None:
         """This rank's gloo listens on loopback when the store does (the group is on one node), else on
-        this node's address of ``cluster.dist.store_address``: never on every interface."""
+        this node's address of ``cluster.rank.dist.store_address``: never on every interface."""
         if ipaddress.ip_address(store_host).is_loopback:
             listen_on(store_host)
         else:
@@ -133,68 +134,34 @@ def _import_dynamo() -> None:
         logger.warning("importing torch._dynamo ahead of DDP failed: %s", exc)
 
 
-# The modules a worker runs; the operator tools (inspect, __main__) do not change what trains. A name
-# ending in "/" is a subpackage: every .py file under it counts.
-_TRAINING_MODULES = (
-    "checkpoint.py",
-    "config.py",
-    "data.py",
-    "ddp.py",
-    "dist.py",
-    "errors.py",
-    "evaluate.py",
-    "faults.py",
-    "group.py",
-    "hang.py",
-    "lease.py",
-    "load.py",
-    "metrics.py",
-    "pace.py",
-    "parquet.py",
-    "peer.py",
-    "preemption.py",
-    "process.py",
-    "profiling.py",
-    "quarantine.py",
-    "redact.py",
-    "replica.py",
-    "safe_state.py",
-    "schedule.py",
-    "session.py",
-    "snapshots.py",
-    "stacks.py",
-    "step.py",
-    "storage.py",
-    "task.py",
-    "train_state.py",
-    "validate.py",
-    "worker.py",
-    "worker_eval.py",
-    "worker_group/",
-    "worker_recovery.py",
-)
+TRAINING_FOLDERS = ("core", "spec", "run", "seam", "data", "rank", "worker_group")
+"""The folders of ``cluster`` whose code a worker runs (docs/layout.md): the layers a rank imports. The
+driver, the operator tools (``inspect``, ``__main__``) and the entry points do not change what trains."""
 
 
-def _sources(here: str, name: str) -> list[str]:
-    """The files of one ``_TRAINING_MODULES`` entry, relative to ``here``, in a fixed order."""
-    if not name.endswith("/"):
-        return [name] if os.path.exists(os.path.join(here, name)) else []
+def _sources(here: str) -> list[str]:
+    """Every ``.py`` file of ``TRAINING_FOLDERS`` under ``here``, relative to it, in a fixed order."""
     out = []
-    for root, dirs, files in os.walk(os.path.join(here, name)):
-        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
-        out += [os.path.relpath(os.path.join(root, f), here) for f in sorted(files) if f.endswith(".py")]
+    for folder in TRAINING_FOLDERS:
+        for root, dirs, files in os.walk(os.path.join(here, folder)):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            out += [os.path.relpath(os.path.join(root, f), here) for f in sorted(files) if f.endswith(".py")]
     return out
 
 
 def code_fingerprint() -> tuple[str, str]:
     """(directory, sha256 of its sources) of the ``cluster`` package this process imported."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return here, sources_digest(here)
+
+
+def sources_digest(here: str) -> str:
+    """sha256 of the ``TRAINING_FOLDERS`` sources of the ``cluster`` package at ``here``."""
     digest = hashlib.sha256()
-    for name in _TRAINING_MODULES:
-        for path in _sources(here, name):
-            with open(os.path.join(here, path), "rb") as fh:
-                digest.update(path.encode() + b"\0" + fh.read())
-    return here, digest.hexdigest()
+    for path in _sources(here):
+        with open(os.path.join(here, path), "rb") as fh:
+            digest.update(path.encode() + b"\0" + fh.read())
+    return digest.hexdigest()
 
 
 def check_same_code(codes: list[tuple[str, str]], nodes: list[tuple[str, str]]) -> None:

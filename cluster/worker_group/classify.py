@@ -1,4 +1,4 @@
-"""Turning what a gang of Ray actors raised into one :class:`cluster.errors.Failure`: its root cause and
+"""Turning what a gang of Ray actors raised into one :class:`cluster.core.errors.Failure`: its root cause and
 rank, looked for across every rank (a dead process, then a user exception, then the collateral errors a
 death causes on the survivors), and told apart from an error of the start itself."""
 
@@ -10,8 +10,8 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
-from cluster import replica
-from cluster.errors import Failure, WorkerError
+from cluster.core.errors import Failure, WorkerError
+from cluster.seam.mismatch import failure_of
 from cluster.worker_group.calls import short
 
 _COLLATERAL = ("Connection reset", "Connection closed", "Broken pipe", "Socket Timeout", "peer", "Gloo")
@@ -27,7 +27,7 @@ def classify(
     peer) that a death causes on the survivors; a death whose node is gone is a lost node. With
     ``starting``, an error that did not come from Ray (a timeout waiting for the ranks, a refused GPU
     assignment) is ``start_failed``. An exception a rank raised in set-up is a ``user_error`` of that rank
-    (:func:`setup_failure`); ranks whose parameters disagree (``cluster.replica``) are a
+    (:func:`setup_failure`); ranks whose parameters disagree (``cluster.rank.replica``) are a
     ``replica_mismatch``.
     """
     if starting and not isinstance(exc, RayError):
@@ -52,7 +52,7 @@ def classify(
     if user:
         rank, err = min(user.items(), key=lambda kv: (_collateral(_describe(kv[1])), kv[0]))
         cause = err.cause if isinstance(err.cause, WorkerError) else None
-        mismatch = replica.failure_of(cause) if cause is not None else None
+        mismatch = failure_of(cause) if cause is not None else None
         return mismatch or Failure("user_error", rank, str(cause) if cause else short(err), cause)
     return Failure("worker_died", None, short(exc))
 

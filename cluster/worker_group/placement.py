@@ -19,10 +19,10 @@ from ray.util.placement_group import (
     remove_placement_group,
 )
 
-from cluster.config import JobConfig
-from cluster.errors import ResourcesUnavailableError
-from cluster.group import Salvage, StartCancelled
-from cluster.preemption import DrainNotice, draining_nodes
+from cluster.core.errors import ResourcesUnavailableError
+from cluster.seam.preemption import DrainNotice
+from cluster.seam.protocol import Salvage, StartCancelled
+from cluster.spec.config import JobConfig
 from cluster.worker_group.calls import kill, short
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class Placement:
         self.extra_pgs: list[PlacementGroup] = []
         """Placement groups of ranks that moved off a draining node (see ``RayWorkerGroup.prepare_move``)."""
         self.avoid: list[str] = []
-        """Quarantined nodes (``cluster.quarantine``): no bundle of this group is placed there."""
+        """Quarantined nodes (``cluster.run.quarantine``): no bundle of this group is placed there."""
 
     def bundle(self) -> dict[str, float]:
         """The resources of one rank."""
@@ -87,7 +87,7 @@ class Placement:
     def room_without(self, nodes: list[str], n: int) -> bool:
         """Whether the live nodes other than ``nodes`` (and other than the quarantined and draining ones) can
         hold ``n`` bundles of this group by their capacity, whatever runs there now: a node is quarantined
-        only when the run can still be placed without it (``cluster.quarantine``)."""
+        only when the run can still be placed without it (``cluster.run.quarantine``)."""
         bundle = {k: v for k, v in self.bundle().items() if v > 0}
         out = {*nodes, *self.avoid, *(draining_nodes() if self.cfg.failures.preemption else {})}
         fits = 0
@@ -267,3 +267,18 @@ def _granted(pg: PlacementGroup, wait_s: float, cancelled: Callable[[], bool] | 
 def _fmt(res: dict[str, float]) -> str:
     keep = {k: v for k, v in res.items() if not k.startswith(("node:", "memory", "object_store"))}
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(keep.items())) + "}"
+
+
+def draining_nodes() -> dict[str, float | None]:
+    """Ray's draining nodes that are still alive: node id (hex) -> deadline in seconds since the epoch, or
+    None for a drain without a deadline.
+
+    Ray 2.60 has no public reader for drains: this is the call Ray Train's own preemption watcher makes
+    (``ray._private.state.state.get_draining_nodes``, one GCS query; Ray keeps a node in it after it died,
+    hence the filter). Isolated here; ``tests/cluster/test_preemption.py`` fails loudly when Ray changes it.
+    """
+    drains: dict[str, int] = ray._private.state.state.get_draining_nodes()
+    if not drains:
+        return {}
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    return {node: (ms / 1000.0 if ms else None) for node, ms in drains.items() if node in alive}

@@ -10,22 +10,20 @@ import logging
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from cluster import replica
-from cluster.errors import Failure, device_broken
-from cluster.group import EpochResult, Heartbeat, Salvage
-from cluster.peer import PeerState
+from cluster.core.errors import Failure, device_broken
+from cluster.seam.mismatch import suspect_ranks
+from cluster.seam.peers import PeerState
+from cluster.seam.protocol import EpochResult, Heartbeat, Salvage
 from cluster.worker_group.calls import kill, short
 from cluster.worker_group.classify import node_dead, rank_errors
+from cluster.worker_group.gang import Gang
 from cluster.worker_group.placement import Slot
 from cluster.worker_group.suspect import end_process
-
-if TYPE_CHECKING:
-    from cluster.worker_group.group import RayWorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +94,7 @@ class _Plan:
 
 
 def salvage(
-    g: RayWorkerGroup,
+    g: Gang,
     attempt: int,
     failure: Failure | None,
     leaving: Collection[int],
@@ -146,7 +144,7 @@ def salvage(
     return result
 
 
-def _after_failure(g: RayWorkerGroup, failure: Failure) -> _Plan | None:
+def _after_failure(g: Gang, failure: Failure) -> _Plan | None:
     """The survivors that left the failed collective keep their ranks; the hot spare takes a single
     missing rank's place. None when no warm restart is due."""
     t0 = time.perf_counter()
@@ -185,7 +183,7 @@ def _after_failure(g: RayWorkerGroup, failure: Failure) -> _Plan | None:
     return plan
 
 
-def _dead(g: RayWorkerGroup, failure: Failure) -> tuple[set[int], set[str]]:
+def _dead(g: Gang, failure: Failure) -> tuple[set[int], set[str]]:
     """The ranks whose processes are gone or must not be reused, and the nodes lost with the failure."""
     dead = {r for r, e in rank_errors(g.pending, 0.0).items() if isinstance(e, RayActorError)}
     lost_nodes: set[str] = set()
@@ -197,7 +195,7 @@ def _dead(g: RayWorkerGroup, failure: Failure) -> tuple[set[int], set[str]]:
         failure.kind == "worker_died" or (g.cfg.scaling.use_gpu and device_broken(failure.error))
     ):
         dead.add(failure.rank)  # a CUDA error may be sticky (a device-side assert): that process goes
-    dead |= replica.suspect_ranks(failure)  # ranks whose parameters differed: never reused
+    dead |= suspect_ranks(failure)  # ranks whose parameters differed: never reused
     if hung_alone(failure) and failure.rank is not None:
         # SIGKILL by pid: a stopped process answers no actor call, but its sockets close at once, which
         # fails the collective its peers wait in
@@ -208,11 +206,11 @@ def _dead(g: RayWorkerGroup, failure: Failure) -> tuple[set[int], set[str]]:
 
 
 def hung_alone(failure: Failure) -> bool:
-    """A hang whose suspect the stacks told apart (``cluster.hang``): only that rank is replaced."""
+    """A hang whose suspect the stacks told apart (``cluster.driver.hang``): only that rank is replaced."""
     return failure.kind == "hang" and failure.hang is not None and failure.hang.keep_survivors
 
 
-def _released(g: RayWorkerGroup, dead: set[int]) -> list[int]:
+def _released(g: Gang, dead: set[int]) -> list[int]:
     """Kill ``dead``; the other ranks that left the failed collective within the release wait."""
     for r in dead:
         kill(g.actors[r], f"rank {r}")  # a dead process's sockets close: its peers' collectives fail
@@ -230,7 +228,7 @@ def _released(g: RayWorkerGroup, dead: set[int]) -> list[int]:
     return out
 
 
-def _after_stop(g: RayWorkerGroup, leaving: Collection[int]) -> _Plan:
+def _after_stop(g: Gang, leaving: Collection[int]) -> _Plan:
     """Every rank but ``leaving`` stays; a ready move's replacements take the leaving ranks (same
     numbers), or, without one, the others are renumbered 0..K-1."""
     move, g.move = g.move, None
@@ -254,7 +252,7 @@ def _after_stop(g: RayWorkerGroup, leaving: Collection[int]) -> _Plan:
 
 
 def _get_ready(
-    g: RayWorkerGroup, plan: _Plan, attempt: int, keep_state: bool
+    g: Gang, plan: _Plan, attempt: int, keep_state: bool
 ) -> tuple[dict[int, Any], dict[int, PeerState]]:
     """Reset (or, with ``keep_state``, release) every worker of ``plan`` to its next rank; the workers that
     answered in time (next rank -> worker) and the state each released one holds."""
@@ -289,7 +287,7 @@ def _get_ready(
     return kept, peers
 
 
-def _kill_others(g: RayWorkerGroup, plan: _Plan, kept: dict[int, Any]) -> None:
+def _kill_others(g: Gang, plan: _Plan, kept: dict[int, Any]) -> None:
     """Kill every worker of this group and every joiner not in ``kept`` (next rank -> worker)."""
     staying = {old for new, old in plan.stay.items() if new in kept}
     for r, actor in enumerate(g.actors):
@@ -300,7 +298,7 @@ def _kill_others(g: RayWorkerGroup, plan: _Plan, kept: dict[int, Any]) -> None:
             kill(actor, f"the worker that was to join as rank {r}")
 
 
-def _rank0_rows(g: RayWorkerGroup) -> list[dict[str, Any]]:
+def _rank0_rows(g: Gang) -> list[dict[str, Any]]:
     """Rank 0's step rows not yet reported (its epoch result, or its buffer), once it left the group."""
     try:
         result = ray.get(g.pending[0], timeout=0)

@@ -9,7 +9,7 @@ from typing import Any
 
 import ray
 
-from cluster.config import JobConfig
+from cluster.spec.config import JobConfig
 from cluster.worker_group.calls import kill, short
 from cluster.worker_group.placement import Slot
 

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from cluster.data import TensorBatchDataset, read_parquet
-from cluster.parquet import ParquetDataset
-from cluster.task import Task
+from cluster.data.parquet import ParquetDataset
+from cluster.data.pipeline import TensorBatchDataset, read_parquet
+from cluster.spec.task import Task
 
 
 class TabularTask(Task):
@@ -26,7 +26,7 @@ class TabularTask(Task):
     def __init__(self, **args: Any) -> None:
         super().__init__(**args)
         if "dataset" not in args:
-            from cluster.errors import ConfigError
+            from cluster.core.errors import ConfigError
 
             raise ConfigError("task_args.dataset is required: the URL of a Parquet file, folder or glob")
         self.features = list(args.get("features", [f"f{i}" for i in range(16)]))
@@ -64,7 +64,7 @@ class TabularTask(Task):
         x = torch.stack([torch.as_tensor(cols[f], dtype=torch.float32) for f in self.features], dim=1)
         y = torch.as_tensor(cols[self.label]).long()
         if int(y.min()) < 0 or int(y.max()) >= self.num_classes:
-            from cluster.errors import ConfigError
+            from cluster.core.errors import ConfigError
 
             raise ConfigError(
                 f"label column {self.label!r} has values {int(y.min())}..{int(y.max())}, outside "

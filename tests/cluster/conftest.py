@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from cluster.inspect import read_events
-from cluster.storage import Storage
+from cluster.run.storage import Storage
 from tests.conftest import REPO
 
 

@@ -19,9 +19,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from cluster.checkpoint import CheckpointStore
 from cluster.inspect import read_events
-from cluster.storage import Storage
+from cluster.run.checkpoint import CheckpointStore
+from cluster.run.storage import Storage
 from tests.cluster.rayproc import EXCLUDES, REPO, Head, owned_pids
 
 RUNTIME_ENV = json.dumps({"excludes": EXCLUDES})
@@ -211,7 +211,7 @@ def test_workers_run_the_shipped_code_or_refuse(head: Head, storage_dir: str, tm
         shutil.copytree(
             os.path.join(REPO, pkg), os.path.join(copy, pkg), ignore=shutil.ignore_patterns("__pycache__")
         )
-    with open(os.path.join(copy, "cluster", "worker.py"), "a") as fh:
+    with open(os.path.join(copy, "cluster", "rank", "worker.py"), "a") as fh:
         fh.write("\n# a local change that the installed package does not have\n")
 
     shipped = head.job(
@@ -290,7 +290,7 @@ def test_the_python_api_submits_follows_and_stops_a_job(head: Head, storage_dir:
 
     from cluster import load_config
     from cluster import submit as api_submit
-    from cluster.errors import ConfigError
+    from cluster.core.errors import ConfigError
 
     config = os.path.join(REPO, "jobs/configs/tiny_cpu.yaml")
     client = JobSubmissionClient(head.address)

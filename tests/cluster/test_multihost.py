@@ -18,9 +18,9 @@ import time
 
 import pytest
 
-from cluster.checkpoint import CheckpointStore
 from cluster.inspect import read_events
-from cluster.storage import Storage
+from cluster.run.checkpoint import CheckpointStore
+from cluster.run.storage import Storage
 from tests.cluster.netns import IFNAME, Hosts, NetnsUnavailable, kill_all, start_node
 from tests.cluster.rayproc import EXCLUDES, RAY, REPO, ray_env
 from tests.support.procs import cmdline

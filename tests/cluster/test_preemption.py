@@ -14,7 +14,7 @@ import pytest
 
 from cluster import load_checkpoint, load_config, train
 from cluster.inspect import format_show, report
-from cluster.storage import Storage
+from cluster.run.storage import Storage
 from tests.cluster.conftest import events, wait_for
 from tests.support.goodput import account
 from tests.support.tasks import audit
@@ -104,7 +104,7 @@ def test_preemption_notice_moves_a_rank_before_the_deadline_with_no_step_lost(
     drain of a node that holds a rank is refused by Ray and changes nothing."""
     import torch
 
-    from cluster.preemption import draining_nodes
+    from cluster.worker_group.placement import draining_nodes
 
     add_nodes(ray_cluster, 3)
     tmp = str(tmp_path)
@@ -121,8 +121,8 @@ def test_preemption_notice_moves_a_rank_before_the_deadline_with_no_step_lost(
     accepted, why = drain(ray_cluster, node, "DRAIN_NODE_REASON_PREEMPTION", 20)
     assert accepted, why
     deadline = time.time() + 20
-    # the one internal read this feature relies on (cluster.preemption.draining_nodes): fail loudly here
-    # if Ray changes it
+    # the one internal read this feature relies on (cluster.worker_group.placement.draining_nodes): fail
+    # loudly here if Ray changes it
     seen = draining_nodes()
     assert list(seen) == [node] and abs(seen[node] - deadline) < 2, seen  # type: ignore[operator]
     killer = kill_at(ray_cluster, node, deadline)

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from cluster import load_config, train
-from cluster.errors import ResourcesUnavailableError
+from cluster.core.errors import ResourcesUnavailableError
 from cluster.inspect import format_show, report
-from cluster.quarantine import read
-from cluster.storage import Storage
+from cluster.run.quarantine import read
+from cluster.run.storage import Storage
 from tests.cluster.conftest import events
 
 pytestmark = pytest.mark.timeout(300)

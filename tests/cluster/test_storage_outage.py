@@ -9,9 +9,9 @@ import time
 import pytest
 
 from cluster import load_config, train
-from cluster.checkpoint import CheckpointStore
 from cluster.inspect import read_events
-from cluster.storage import Storage
+from cluster.run.checkpoint import CheckpointStore
+from cluster.run.storage import Storage
 from tests.support.storage import MotoS3
 
 

@@ -1,5 +1,5 @@
-"""``cluster.evaluate.evaluate`` on a GPU: the values stay on the device until one read at the end, and the
-result matches the CPU's (same weights, same batches) within float32 rounding; under bf16 autocast within
+"""``cluster.rank.evaluate.evaluate`` on a GPU: the values stay on the device until one read at the end, and
+the result matches the CPU's (same weights, same batches) within float32 rounding; under bf16 autocast within
 bf16's. Skipped where there is no CUDA device."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 
-from cluster.config import load_config
-from cluster.evaluate import evaluate
+from cluster.rank.evaluate import evaluate
+from cluster.spec.load import load_config
 from jobs.tasks.charlm import CharLMTask
 
 pytestmark = [

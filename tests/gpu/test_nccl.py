@@ -59,7 +59,7 @@ def test_nccl_job_on_ray(tmp_path: object, tiny_overrides: list[str]) -> None:
     assert result.status == "finished"
     assert "(nccl)" in out.getvalue()
     from cluster.inspect import read_events
-    from cluster.storage import Storage
+    from cluster.run.storage import Storage
 
     started = [e for e in read_events(Storage(result.run_url)) if e["event"] == "group_started"]
     assert started[0]["backend"] == "nccl"

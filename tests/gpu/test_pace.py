@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from cluster.pace import StepPace
+from cluster.rank.pace import StepPace
 
 pytestmark = [
     pytest.mark.timeout(120),

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from cluster.checkpoint import CheckpointStore
-from cluster.config import JobConfig
-from cluster.storage import Storage
-from cluster.task import build_task
+from cluster.run.checkpoint import CheckpointStore
+from cluster.run.storage import Storage
+from cluster.spec.config import JobConfig
+from cluster.spec.task import build_task
 from tests.multiprocess.mp_helpers import run_workers, tiny_config
 
 pytestmark = [

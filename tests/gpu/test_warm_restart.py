@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cluster.config import JobConfig
-from cluster.errors import WorkerError
-from cluster.peer import plan_recovery
-from cluster.worker import Worker
+from cluster.core.errors import WorkerError
+from cluster.rank.worker import Worker
+from cluster.seam.peers import plan_recovery
+from cluster.spec.config import JobConfig
 from tests.multiprocess.mp_helpers import run_workers, tiny_config
 
 pytestmark = [

@@ -1,4 +1,4 @@
-"""Run cluster.worker.Worker in plain processes (no Ray): what the multiprocess tests drive."""
+"""Run cluster.rank.worker.Worker in plain processes (no Ray): what the multiprocess tests drive."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from cluster.config import JobConfig, load_config
-from cluster.data import fetch_batch
-from cluster.dist import share_gpus
-from cluster.worker import Worker
+from cluster.data.pipeline import fetch_batch
+from cluster.rank.dist import share_gpus
+from cluster.rank.worker import Worker
+from cluster.spec.config import JobConfig
+from cluster.spec.load import load_config
 
 
 def tiny_config(storage: str, overrides: list[str] | None = None) -> JobConfig:
@@ -141,7 +142,7 @@ def run_workers(
 
 def _gpu_placement(cfg: JobConfig, world: int) -> list[tuple[str, int]] | None:
     """Per rank, (CUDA_VISIBLE_DEVICES, its index): one GPU each, or ``1 / gpus_per_worker`` ranks per GPU,
-    assigned as Ray would and shared by ``cluster.dist.share_gpus``."""
+    assigned as Ray would and shared by ``cluster.rank.dist.share_gpus``."""
     if not cfg.scaling.use_gpu or world == 1:
         return None
     gpus, per_gpu = _gpu_ids(), max(1, int(1 / cfg.scaling.gpus_per_worker + 1e-9))

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from cluster.checkpoint import MANIFEST, CheckpointStore, step_dir
-from cluster.storage import Storage
+from cluster.run.checkpoint import MANIFEST, CheckpointStore, step_dir
+from cluster.run.storage import Storage
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -24,8 +24,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # file in small chunks, or stalls right after a file), and keeps "training" until it is killed.
 CHILD = r"""
 import sys, time, torch
-from cluster.checkpoint import CheckpointStore, CheckpointWriter
-from cluster.storage import Storage
+from cluster.run.checkpoint import CheckpointStore, CheckpointWriter
+from cluster.run.storage import Storage
 
 root, mode, ready = sys.argv[1], sys.argv[2], sys.argv[3]
 storage = Storage(root)

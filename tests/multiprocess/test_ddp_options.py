@@ -21,10 +21,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from cluster.checkpoint import CheckpointStore
-from cluster.config import JobConfig
-from cluster.storage import Storage
-from cluster.task import build_task
+from cluster.run.checkpoint import CheckpointStore
+from cluster.run.storage import Storage
+from cluster.spec.config import JobConfig
+from cluster.spec.task import build_task
 from tests.multiprocess.mp_helpers import run_workers, tiny_config
 from tests.support.tasks import MapStyleTask
 

@@ -1,4 +1,4 @@
-"""``cluster.evaluate.evaluate`` over real gloo groups of 1, 2 and 3 processes.
+"""``cluster.rank.evaluate.evaluate`` over real gloo groups of 1, 2 and 3 processes.
 
 The same model evaluated at any world size gives bitwise the same result, equal to one process computing
 the mean over every sample itself; each rank's own BatchNorm statistics (which differ between ranks during
@@ -18,9 +18,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from cluster import Task, TensorBatchDataset, load_config
-from cluster.config import JobConfig
-from cluster.data import EvalLoader
-from cluster.evaluate import EvalResult, evaluate
+from cluster.data.pipeline import EvalLoader
+from cluster.rank.evaluate import EvalResult, evaluate
+from cluster.spec.config import JobConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -170,8 +170,8 @@ def test_best_and_early_stop_checkpoints_are_taken_by_every_rank_under_zero(tmp_
     checkpoints an evaluation asks for (a new best, the early stop) must be taken on every rank at the same
     step, or the ranks would wait on each other until the timeout. Scored by the highest loss, which falls:
     step 2 stays the best, and patience=2 ends the run at step 6."""
-    from cluster.checkpoint import CheckpointStore
-    from cluster.storage import Storage
+    from cluster.run.checkpoint import CheckpointStore
+    from cluster.run.storage import Storage
     from tests.multiprocess.mp_helpers import run_workers, tiny_config
 
     storage = f"{tmp_path}/s"

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from cluster.checkpoint import CheckpointStore, serialize
-from cluster.export import export_checkpoint
-from cluster.storage import Storage
+from cluster.api.export import export_checkpoint
+from cluster.run.checkpoint import CheckpointStore, serialize
+from cluster.run.storage import Storage
 
 pytestmark = pytest.mark.timeout(120)
 

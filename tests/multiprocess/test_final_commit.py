@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from cluster.checkpoint import CheckpointStore
-from cluster.storage import Storage
+from cluster.run.checkpoint import CheckpointStore
+from cluster.run.storage import Storage
 from tests.multiprocess.mp_helpers import run_workers, tiny_config
 from tests.support.faultfs import Faults
 

@@ -14,12 +14,12 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from cluster.checkpoint import MANIFEST, CheckpointStore, step_dir
-from cluster.config import JobConfig
-from cluster.data import InputPipeline, ResumableDistributedSampler, fetch_batch
-from cluster.errors import ConfigError
-from cluster.storage import Storage
-from cluster.task import Task
+from cluster.core.errors import ConfigError
+from cluster.data.pipeline import InputPipeline, ResumableDistributedSampler, fetch_batch
+from cluster.run.checkpoint import MANIFEST, CheckpointStore, step_dir
+from cluster.run.storage import Storage
+from cluster.spec.config import JobConfig
+from cluster.spec.task import Task
 from tests.multiprocess.mp_helpers import run_workers, tiny_config
 
 pytestmark = pytest.mark.timeout(240)
@@ -109,7 +109,7 @@ def _audit(path: Path) -> list[tuple[int, list[int]]]:
 @pytest.mark.slow  # > 10 s on 2 cores: full suite only
 def test_loader_processes_train_the_same_batches_and_bits_as_the_training_thread(tmp_path: Path) -> None:
     # A get_batch dataset (the char-LM) and plain items, with gradient accumulation (random draws in the
-    # dataset differ by design: the module docstring of cluster.data).
+    # dataset differ by design: the module docstring of cluster.data.pipeline).
     # An epoch trained again from another step in the same processes: a fresh iterator from that step.
     plan = [(0, 0), (0, 2), (1, 0)]
     results = {}
@@ -206,7 +206,7 @@ def _loaders_then_die(cfg: JobConfig, out: str) -> None:
     SIGKILL, as a rank does when its node's OOM killer or a fault takes it."""
     import signal
 
-    from cluster.data import InputPipeline as Pipeline
+    from cluster.data.pipeline import InputPipeline as Pipeline
 
     pipeline = Pipeline(tiny_dataset(), 2, 2, 1, 0)
     pipeline.open(torch.device("cpu"))
@@ -218,7 +218,7 @@ def _loaders_then_die(cfg: JobConfig, out: str) -> None:
 
 
 def tiny_dataset() -> Any:
-    from cluster.data import TensorBatchDataset
+    from cluster.data.pipeline import TensorBatchDataset
 
     return TensorBatchDataset(torch.arange(64.0).reshape(32, 2), torch.zeros(32, dtype=torch.long))
 
@@ -229,7 +229,7 @@ def test_loader_processes_end_when_their_rank_is_killed(tmp_path: Path) -> None:
 
     import torch.multiprocessing as mp
 
-    from cluster.data import _alive
+    from cluster.data.pipeline import _alive
 
     proc = mp.get_context("spawn").Process(target=_loaders_then_die, args=(None, str(tmp_path)))
     proc.start()

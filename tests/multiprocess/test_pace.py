@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from cluster.pace import StepPace
+from cluster.rank.pace import StepPace
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -18,8 +18,8 @@ import pytest
 import torch.multiprocessing as mp
 from torch import nn
 
-from cluster.config import JobConfig
-from cluster.worker import Worker
+from cluster.rank.worker import Worker
+from cluster.spec.config import JobConfig
 from jobs.tasks.tabular import TabularTask
 from tests.multiprocess.mp_helpers import tiny_config
 

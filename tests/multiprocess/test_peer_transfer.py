@@ -37,7 +37,7 @@ def _state() -> dict[str, Any]:
 
 def _entry(rank: int, port: int, out: str, bucket: int) -> None:
     try:
-        import cluster.peer as peer
+        import cluster.rank.peer_transfer as peer
 
         peer.BUCKET_BYTES = bucket  # small buckets: the split path is exercised too
         store = dist.TCPStore(

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.checkpoint import CheckpointStore, CheckpointWriter
-from cluster.data import read_parquet
-from cluster.errors import ConfigError
-from cluster.storage import Storage, check_probe, write_probe
+from cluster.core.errors import ConfigError
+from cluster.data.pipeline import read_parquet
+from cluster.run.checkpoint import CheckpointStore, CheckpointWriter
+from cluster.run.storage import Storage, check_probe, write_probe
 from jobs.make_tabular import make_table, write
 from tests.support.storage import MotoS3
 
@@ -124,9 +124,10 @@ def test_checkpoint_whose_upload_failed_is_reported_and_never_used(moto_s3: Moto
 
 def test_failing_storage_error_never_shows_secrets(moto_s3: MotoS3, monkeypatch: pytest.MonkeyPatch) -> None:
     """A driver whose storage is down fails with a StorageError that names the URL but no option value."""
-    from cluster import load_config, storage
-    from cluster.driver import Driver
-    from cluster.errors import StorageError
+    from cluster import load_config
+    from cluster.core.errors import StorageError
+    from cluster.driver.driver import Driver
+    from cluster.run import storage
 
     secret = "s3cr3t-Do-Not-Leak-1b2c"
     # the endpoint itself carries a credential (userinfo), as some proxies' URLs do; botocore echoes it

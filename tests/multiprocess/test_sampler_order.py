@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from cluster.checkpoint import MANIFEST, CheckpointStore, deserialize, serialize, step_dir
-from cluster.config import JobConfig
-from cluster.data import LEGACY_ORDER, TORCH_ORDER
-from cluster.storage import Storage
+from cluster.data.pipeline import LEGACY_ORDER, TORCH_ORDER
+from cluster.run.checkpoint import MANIFEST, CheckpointStore, deserialize, serialize, step_dir
+from cluster.run.storage import Storage
+from cluster.spec.config import JobConfig
 from tests.multiprocess.mp_helpers import run_workers, tiny_config
 
 pytestmark = pytest.mark.timeout(240)

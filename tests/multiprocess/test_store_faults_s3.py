@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.checkpoint import CheckpointStore, CheckpointUnreadableError
-from cluster.storage import Storage
+from cluster.run.checkpoint import CheckpointStore, CheckpointUnreadableError
+from cluster.run.storage import Storage
 from tests.support.faultfs import Faults
 from tests.support.storage import MotoS3
 from tests.support.store_faults import SCENARIOS, Scenario, commit, s3_backend, walk

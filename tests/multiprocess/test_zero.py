@@ -14,12 +14,12 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from cluster.checkpoint import CheckpointStore
-from cluster.config import JobConfig
-from cluster.errors import WorkerError
-from cluster.peer import plan_recovery
-from cluster.storage import Storage
-from cluster.worker import Worker
+from cluster.core.errors import WorkerError
+from cluster.rank.worker import Worker
+from cluster.run.checkpoint import CheckpointStore
+from cluster.run.storage import Storage
+from cluster.seam.peers import plan_recovery
+from cluster.spec.config import JobConfig
 from tests.multiprocess.mp_helpers import run_workers, tiny_config
 from tests.support.tasks import MapStyleTask
 

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from cluster import load_config, train
-from cluster.checkpoint import step_dir
+from cluster.run.checkpoint import step_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

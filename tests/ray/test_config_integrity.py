@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 
 from cluster import train
-from cluster.checkpoint import CheckpointStore
-from cluster.config import load_config
-from cluster.errors import ConfigError
+from cluster.core.errors import ConfigError
 from cluster.inspect import read_events
-from cluster.storage import Storage
+from cluster.run.checkpoint import CheckpointStore
+from cluster.run.storage import Storage
+from cluster.spec.load import load_config
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from cluster import load_config, train
-from cluster.checkpoint import CheckpointStore
-from cluster.config import JobConfig
-from cluster.control import STOP_FILE
 from cluster.inspect import STOPPED, read_events, run_status
-from cluster.storage import Storage
+from cluster.run.checkpoint import CheckpointStore
+from cluster.run.requests import STOP_FILE
+from cluster.run.storage import Storage
+from cluster.spec.config import JobConfig
 from tests.support.faults import assert_bitwise_equal
 
 pytestmark = pytest.mark.timeout(300)

@@ -131,9 +131,9 @@ def test_a_killed_driver_leaves_no_process_of_its_ray_and_the_run_is_interrupted
 
 
 def test_the_next_start_stops_what_a_killed_driver_left_when_its_watcher_died_too(driver: Started) -> None:
-    """The driver and whatever of ours watches it (a child running cluster/local_ray.py) SIGKILLed together:
-    the next embedded Ray started on this machine stops the dead driver's Ray processes before it starts,
-    and only those (its own and a live driver's are kept)."""
+    """The driver and whatever of ours watches it (a child running cluster/api/local_ray.py) SIGKILLed
+    together: the next embedded Ray started on this machine stops the dead driver's Ray processes before it
+    starts, and only those (its own and a live driver's are kept)."""
     watchers = [p for p in children(driver.proc.pid) if "local_ray" in cmdline(p)]
     for pid in [driver.proc.pid, *watchers]:
         os.kill(pid, signal.SIGKILL)
@@ -142,7 +142,7 @@ def test_the_next_start_stops_what_a_killed_driver_left_when_its_watcher_died_to
     ray_tmp = tempfile.mkdtemp(prefix="rn", dir="/tmp")
     mark = new_mark()
     code = (
-        "from cluster import local_ray; local_ray.start(1); print('started', flush=True); "
+        "from cluster.api import local_ray; local_ray.start(1); print('started', flush=True); "
         "import sys; sys.stdin.read(); local_ray.shutdown()"
     )
     nxt = subprocess.Popen(

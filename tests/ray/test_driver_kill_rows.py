@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from cluster.inspect import read_events, run_metrics
-from cluster.metrics import COMMIT_ROWS, read_metric_parts, read_metrics
-from cluster.storage import Storage
+from cluster.run.logs import COMMIT_ROWS, read_metric_parts, read_metrics
+from cluster.run.storage import Storage
 from tests.support.faults import EPOCHS, STEPS, overrides
 from tests.support.goodput import account
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from cluster import load_checkpoint, load_config, load_model, train
-from cluster.checkpoint import CheckpointStore
 from cluster.inspect import read_events
-from cluster.storage import Storage
+from cluster.run.checkpoint import CheckpointStore
+from cluster.run.storage import Storage
 from jobs.tasks.charlm import CharLMTask
 from tests.support.goodput import account
 
@@ -114,7 +114,7 @@ def test_auto_hot_spare_stays_off_when_it_would_take_cpu_from_training(
 
 
 def test_changed_task_or_batch_on_resume_is_refused(ray_local: None, tiny_overrides: list[str]) -> None:
-    from cluster.errors import ConfigError
+    from cluster.core.errors import ConfigError
 
     overrides = [*tiny_overrides, "name=compat", "training.epochs=1", "training.max_steps_per_epoch=2"]
     train(load_config("jobs/configs/tiny_cpu.yaml", overrides), out=io.StringIO())

@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from cluster import evaluate_checkpoint, load_checkpoint, load_config, load_model, train
-from cluster.checkpoint import CheckpointStore
-from cluster.config import JobConfig
-from cluster.errors import ConfigError, TrainingFailedError
-from cluster.evaluate import evaluate
+from cluster.core.errors import ConfigError, TrainingFailedError
 from cluster.inspect import format_show, report
-from cluster.metrics import read_metrics
-from cluster.storage import Storage
-from cluster.task import build_task
+from cluster.rank.evaluate import evaluate
+from cluster.run.checkpoint import CheckpointStore
+from cluster.run.logs import read_metrics
+from cluster.run.storage import Storage
+from cluster.spec.config import JobConfig
+from cluster.spec.task import build_task
 from tests.support.faults import EPOCHS, STEPS, assert_bitwise_equal, events, final_model, overrides
 
 pytestmark = pytest.mark.timeout(180)

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from cluster import load_config, train
-from cluster.checkpoint import CheckpointStore
-from cluster.errors import TrainingFailedError
+from cluster.core.errors import TrainingFailedError
 from cluster.inspect import format_show, report
-from cluster.metrics import read_metrics
-from cluster.storage import Storage
+from cluster.run.checkpoint import CheckpointStore
+from cluster.run.logs import read_metrics
+from cluster.run.storage import Storage
 from tests.support.faults import EPOCHS, STEPS, assert_bitwise_equal, events, final_model, overrides
 from tests.support.goodput import account
 
@@ -187,7 +187,7 @@ def test_hang_is_detected_by_heartbeat_and_recovered(reference: dict, tmp_path: 
     (dump,) = events(run_url, "stacks")
     assert dump["kind"] == "hang" and dump["silent"] == [] and dump["time"] < failure["time"]
     where = {r: g["where"] for g in dump["groups"] for r in g["ranks"]}
-    assert "before_step (cluster/faults.py:" in where[1], dump
+    assert "before_step (cluster/rank/faults.py:" in where[1], dump
     assert "torch/nn/parallel/distributed.py" in where[0] and "compute_loss" in where[0], dump
     text = Storage(run_url).read_bytes(dump["path"]).decode()
     assert "=== rank 0" in text and "=== rank 1" in text and "--- thread" in text and "(training)" in text
@@ -291,7 +291,7 @@ def test_max_failures_exhausted_is_a_clear_error_with_checkpoints_intact(
 
 
 def test_resources_that_never_appear_are_a_clear_error(tmp_path: object, ray_local: None) -> None:
-    from cluster.errors import ResourcesUnavailableError
+    from cluster.core.errors import ResourcesUnavailableError
 
     cfg = load_config(
         "jobs/configs/tiny_cpu.yaml",
@@ -315,7 +315,7 @@ def test_a_custom_resource_no_node_has_is_refused_before_anything_starts(
     tmp_path: object, ray_local: None
 ) -> None:
     """No wait of ``scaling.resource_wait_s`` for what no node of the cluster has: one clear error."""
-    from cluster.errors import ConfigError
+    from cluster.core.errors import ConfigError
 
     cfg = load_config(
         "jobs/configs/tiny_cpu.yaml",
@@ -466,7 +466,7 @@ def test_a_stop_asked_while_waiting_for_resources_ends_the_run_at_once(
     import ray
     from ray.util.placement_group import placement_group_table
 
-    from cluster.control import request_stop
+    from cluster.run.requests import request_stop
 
     cfg = load_config(
         "jobs/configs/tiny_cpu.yaml",

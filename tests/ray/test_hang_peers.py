@@ -96,7 +96,9 @@ def test_a_hung_rank_is_replaced_and_the_three_others_keep_their_processes(
     if how == "sigstop":
         assert failure["told_by"].startswith("silent"), failure
     else:
-        assert "the only rank outside a collective, at before_step (cluster/faults.py" in failure["told_by"]
+        assert (
+            "the only rank outside a collective, at before_step (cluster/rank/faults.py" in failure["told_by"]
+        )
     assert "ranks 0-1,3 waited inside a collective" in failure["told_by"]
     (recovered,) = events(run_url, "recovered")
     assert recovered["source"] == "peers" and recovered["fallback"] is None, recovered

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from cluster import load_checkpoint, load_config, train
-from cluster.config import JobConfig
-from cluster.errors import ConfigError
+from cluster.core.errors import ConfigError
 from cluster.inspect import read_events
-from cluster.storage import Storage
+from cluster.run.storage import Storage
+from cluster.spec.config import JobConfig
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent(
     import torch
 
     from cluster import Task, TensorBatchDataset, load_config, load_model, train
-    from cluster.errors import ConfigError
+    from cluster.core.errors import ConfigError
 
 
     class Inline(Task):  # in __main__: a worker's __main__ is Ray's own, so only its value can get there

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from cluster.checkpoint import step_dir
-from cluster.lease import generations, read_holder
-from cluster.storage import Storage
+from cluster.run.checkpoint import step_dir
+from cluster.run.lease import generations, read_holder
+from cluster.run.storage import Storage
 from tests.support.faults import EPOCHS, STEPS, assert_bitwise_equal, final_model, overrides
 from tests.support.storage import MotoS3
 

@@ -1,4 +1,5 @@
-"""The embedded Ray of ``cluster.local_ray``: its settings reach Ray, and shutdown leaves nothing behind."""
+"""The embedded Ray of ``cluster.api.local_ray``: its settings reach Ray, and shutdown leaves nothing
+behind."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 
 import pytest
 
-from cluster import local_ray
+from cluster.api import local_ray
 
 pytestmark = pytest.mark.timeout(120)
 

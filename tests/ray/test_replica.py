@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from cluster import load_config, train
-from cluster.checkpoint import CheckpointStore
-from cluster.storage import Storage
+from cluster.run.checkpoint import CheckpointStore
+from cluster.run.storage import Storage
 from tests.support.faults import EPOCHS, STEPS, assert_bitwise_equal, events, overrides
 
 pytestmark = pytest.mark.timeout(240)

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from cluster import load_config, run_metrics, train
-from cluster.checkpoint import CheckpointStore
 from cluster.inspect import format_show, read_events, report
-from cluster.storage import Storage
+from cluster.run.checkpoint import CheckpointStore
+from cluster.run.storage import Storage
 from tests.support.goodput import account
 
 pytestmark = pytest.mark.timeout(240)

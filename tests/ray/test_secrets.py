@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from cluster import load_config, submit
-from cluster.export import export_checkpoint
+from cluster.api.export import export_checkpoint
 from tests.cluster.rayproc import EXCLUDES, REPO, Head
 from tests.ray.test_tracking import MlflowServer
 from tests.support.fakes import Hook

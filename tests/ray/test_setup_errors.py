@@ -10,10 +10,10 @@ import io
 import pytest
 
 from cluster import load_config, train
-from cluster.config import JobConfig
-from cluster.errors import ConfigError, TrainingFailedError
+from cluster.core.errors import ConfigError, TrainingFailedError
 from cluster.inspect import format_show, report
-from cluster.storage import Storage
+from cluster.run.storage import Storage
+from cluster.spec.config import JobConfig
 from tests.support.faults import events
 from tests.support.tasks import SETUP_METHODS
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from cluster import load_config, train
-from cluster.checkpoint import CheckpointStore
-from cluster.storage import Storage
+from cluster.run.checkpoint import CheckpointStore
+from cluster.run.storage import Storage
 from tests.support.faults import EPOCHS, STEPS, assert_bitwise_equal, events, final_model, overrides
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.fast]

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from cluster import load_config, train
-from cluster.checkpoint import CheckpointStore, step_dir
 from cluster.inspect import read_events
-from cluster.metrics import read_metrics
-from cluster.storage import Storage
+from cluster.run.checkpoint import CheckpointStore, step_dir
+from cluster.run.logs import read_metrics
+from cluster.run.storage import Storage
 from jobs.make_tabular import write
 from tests.support.storage import MotoS3
 
@@ -138,8 +138,8 @@ def test_storage_only_visible_to_driver_fails_with_clear_error(
     ray_local: None, tiny_overrides: list[str], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A worker that cannot see the driver's probe refuses to train and names the setting to change."""
-    import cluster.driver as driver_mod
-    from cluster import storage as storage_mod
+    import cluster.driver.driver as driver_mod
+    from cluster.run import storage as storage_mod
 
     # the driver writes its probe into one folder; workers are pointed at another (a node-local disk)
     real = storage_mod.write_probe

@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 
 from cluster import load_config, train
-from cluster.checkpoint import CheckpointStore, step_dir
-from cluster.errors import Failure
+from cluster.core.errors import Failure
+from cluster.driver.sinks import mlflow_run_id
 from cluster.inspect import read_events
-from cluster.metrics import read_metrics
-from cluster.sinks import mlflow_run_id
-from cluster.storage import Storage
+from cluster.run.checkpoint import CheckpointStore, step_dir
+from cluster.run.logs import read_metrics
+from cluster.run.storage import Storage
 from tests.support.fakes import Hook, RowsGroup, make
 
 mlflow = pytest.importorskip("mlflow")
@@ -237,7 +237,7 @@ def test_tracking_server_down_mid_run_never_stops_training(
     reaches MLflow once the server is back."""
     from mlflow.tracking import MlflowClient
 
-    monkeypatch.setattr("cluster.tracking.BACKOFF_MAX_S", 2.0)
+    monkeypatch.setattr("cluster.driver.tracking.BACKOFF_MAX_S", 2.0)
     OutageGroup.server = mlflow_server
     driver, _ = make(
         {0: ["ok", "ok", Failure("worker_died", 1, "worker_died:rank 1 died")]},

@@ -1,5 +1,6 @@
 """Stand-ins for what surrounds the driver, for tests that run it without workers: a scripted worker group
-(the seam ``cluster/group.py`` describes), ``make`` to build a driver on it, and a webhook on loopback."""
+(the seam ``cluster/seam/protocol.py`` describes), ``make`` to build a driver on it, and a webhook on
+loopback."""
 
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ from typing import Any
 
 import pytest
 
-from cluster.checkpoint import CommitRecord
-from cluster.config import JobConfig, load_config
-from cluster.driver import Driver
-from cluster.errors import Failure, ResourcesUnavailableError, WorkerError
-from cluster.group import EpochResult, Heartbeat, ResumePoint, Salvage, SetupInfo, StartCancelled
-from cluster.peer import PeerPlan, PeerState
-from cluster.preemption import DrainNotice
+from cluster.core.errors import Failure, ResourcesUnavailableError, WorkerError
+from cluster.driver.driver import Driver
+from cluster.run.checkpoint import CommitRecord
+from cluster.seam.peers import PeerPlan, PeerState
+from cluster.seam.preemption import DrainNotice
+from cluster.seam.protocol import EpochResult, Heartbeat, ResumePoint, Salvage, SetupInfo, StartCancelled
+from cluster.spec.config import JobConfig
+from cluster.spec.load import load_config
 
 STEPS = 4
 
@@ -194,10 +196,10 @@ class ScriptedGroup:
     def stacks(self, timeout: float = 5.0) -> list[list[dict[str, Any]] | None]:
         """Rank 1 stands in user code, the others in an all-reduce waiting for it; rank 2 gives no answer."""
         waiting = [
-            ["/r/cluster/worker.py", 9, "_train_step", ""],
+            ["/r/cluster/rank/worker.py", 9, "_train_step", ""],
             ["/v/site-packages/torch/d.py", 5, "all_reduce", ""],
         ]
-        user = [["/r/cluster/worker.py", 9, "_train_step", ""], ["/r/mytask.py", 7, "compute_loss", ""]]
+        user = [["/r/cluster/rank/worker.py", 9, "_train_step", ""], ["/r/mytask.py", 7, "compute_loss", ""]]
         out: list[list[dict[str, Any]] | None] = []
         for r in range(self.world_size):
             frames = user if r == 1 else waiting
@@ -322,11 +324,12 @@ class Hook:
 
 
 def transitions(caplog: pytest.LogCaptureFixture) -> list[str]:
-    """The driver's state changes as its debug log says them (``caplog`` at DEBUG for cluster.driver)."""
+    """The driver's state changes as its debug log says them (``caplog`` at DEBUG for
+    cluster.driver.driver)."""
     return [
         r.getMessage().split(" (")[0].removeprefix("state ")
         for r in caplog.records
-        if r.name == "cluster.driver" and r.getMessage().startswith("state ")
+        if r.name == "cluster.driver.driver" and r.getMessage().startswith("state ")
     ]
 
 

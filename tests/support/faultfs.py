@@ -1,7 +1,7 @@
 """A filesystem that breaks on purpose: a real fsspec filesystem (local, or s3fs against moto) underneath,
 failing at the Nth write, move or delete, or failing every read for a window.
 
-The product is used as it is: a :class:`~cluster.storage.Storage` opened on ``faultfile:///abs/path`` (a
+The product is used as it is: a :class:`~cluster.run.storage.Storage` opened on ``faultfile:///abs/path`` (a
 local folder) or ``fault://bucket/prefix`` (any other fsspec protocol, named in ``target_protocol``) gets
 this filesystem from fsspec's own registry, with the :class:`Faults` plan in its options::
 

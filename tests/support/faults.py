@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from cluster.checkpoint import CheckpointStore
 from cluster.inspect import read_events
-from cluster.storage import Storage
+from cluster.run.checkpoint import CheckpointStore
+from cluster.run.storage import Storage
 
 EPOCHS, STEPS = 2, 15  # 30 steps; checkpoints every 5 steps and at each epoch end
 

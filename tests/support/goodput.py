@@ -1,14 +1,14 @@
-"""Checks of a real run's goodput account (``cluster.goodput``) that hold whatever the machine's speed: every
-class non-negative, the classes adding up to the wall clock (within 1% or 0.5 s) and so do the attempts',
-the wall clock covering the run's own events and inside the harness's clock."""
+"""Checks of a real run's goodput account (``cluster.run.goodput``) that hold whatever the machine's speed:
+every class non-negative, the classes adding up to the wall clock (within 1% or 0.5 s) and so do the
+attempts', the wall clock covering the run's own events and inside the harness's clock."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from cluster.goodput import CLASSES, Goodput, run_goodput
 from cluster.inspect import read_events
-from cluster.storage import Storage
+from cluster.run.goodput import CLASSES, Goodput, run_goodput
+from cluster.run.storage import Storage
 
 
 def account(run_url: str, harness_s: float | None = None) -> Goodput:

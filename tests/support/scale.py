@@ -9,12 +9,11 @@ import time
 from collections.abc import Collection
 from typing import Any
 
-from cluster.driver import Driver
-from cluster.errors import Failure
-from cluster.group import EpochResult, Heartbeat, Salvage
-from cluster.pace import Pace
-from cluster.peer import PeerState
-from cluster.policy import HangWatch, SlowRankWatch
+from cluster.core.errors import Failure
+from cluster.driver.driver import Driver
+from cluster.driver.policy import HangWatch, SlowRankWatch
+from cluster.seam.peers import PeerState
+from cluster.seam.protocol import EpochResult, Heartbeat, Pace, Salvage
 from tests.support.fakes import STEPS, ScriptedGroup, make
 
 N, DEAD, SLOW = 1000, 50, 7

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from cluster.checkpoint import (
+from cluster.core.errors import CheckpointError, StorageError
+from cluster.run.checkpoint import (
     DISCARDED,
     QUARANTINE,
     CheckpointStore,
@@ -28,8 +29,7 @@ from cluster.checkpoint import (
     serialize,
     step_dir,
 )
-from cluster.errors import CheckpointError, StorageError
-from cluster.storage import Storage
+from cluster.run.storage import Storage
 from tests.support.faultfs import Faults
 
 ROT = b"bit rot"

@@ -144,7 +144,7 @@ class FlipsOwnBit(SlowCharLM):
     def compute_loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
         at = self.current
         if at is not None and (at.rank, at.global_step, at.attempt) == (self.flip_rank, self.flip_step, 0):
-            from cluster.replica import flip_bit
+            from cluster.rank.replica import flip_bit
 
             flip_bit(next(model.parameters()))
             self.flip_step = -1  # once (gradient accumulation calls this again in the same step)

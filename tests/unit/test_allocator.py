@@ -24,7 +24,7 @@ pytestmark = [
 # the block came from mmap (mallinfo2's hblkhd counts mmapped bytes in use).
 PROBE = textwrap.dedent("""
     import ctypes, resource, sys
-    from cluster.process import tune_allocator
+    from cluster.rank.process import tune_allocator
 
     class MallInfo2(ctypes.Structure):
         _fields_ = [(n, ctypes.c_size_t) for n in

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from cluster.api import check_embedded_fits
-from cluster.config import load_config
-from cluster.errors import ConfigError
+from cluster.api.train import check_embedded_fits
+from cluster.core.errors import ConfigError
+from cluster.spec.load import load_config
 
 pytestmark = [pytest.mark.timeout(30)]
 
@@ -35,7 +35,7 @@ def test_more_workers_than_cores_on_the_embedded_ray_is_refused_naming_what_fits
 def test_a_network_interface_the_machine_lacks_is_refused_before_anything_starts(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from cluster.dist import store_address
+    from cluster.rank.dist import store_address
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     cfg = load_config(None, ["scaling.socket_ifname=nosuch0"])

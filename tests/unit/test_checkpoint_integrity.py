@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.checkpoint import (
+from cluster.core.errors import CheckpointError
+from cluster.run.checkpoint import (
     MANIFEST,
     CheckpointStore,
     CheckpointUnreadableError,
@@ -21,8 +22,7 @@ from cluster.checkpoint import (
     snapshot,
     step_dir,
 )
-from cluster.errors import CheckpointError
-from cluster.storage import Storage
+from cluster.run.storage import Storage
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -169,7 +169,7 @@ def test_manifest_cannot_point_outside_the_checkpoint(tmp_path: Any) -> None:
 
 
 def test_snapshot_reuses_host_buffers_and_copies_values() -> None:
-    from cluster.checkpoint import HostBuffers
+    from cluster.run.checkpoint import HostBuffers
 
     state = {"model": {"w": torch.randn(1000)}, "opt": [torch.ones(3), (torch.zeros(2), 5)], "step": 7}
     pool = HostBuffers()

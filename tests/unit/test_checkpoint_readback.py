@@ -29,11 +29,18 @@ from typing import Any
 import pytest
 import torch
 
-from cluster.checkpoint import MANIFEST, QUARANTINE, CheckpointStore, CheckpointWriter, serialize, step_dir
-from cluster.config import load_config
-from cluster.errors import StorageError
-from cluster.record import RunRecord
-from cluster.storage import Storage
+from cluster.core.errors import StorageError
+from cluster.driver.record import RunRecord
+from cluster.run.checkpoint import (
+    MANIFEST,
+    QUARANTINE,
+    CheckpointStore,
+    CheckpointWriter,
+    serialize,
+    step_dir,
+)
+from cluster.run.storage import Storage
+from cluster.spec.load import load_config
 from tests.support.faultfs import Faults
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]

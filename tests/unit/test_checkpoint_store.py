@@ -7,7 +7,8 @@ import uuid
 import pytest
 import torch
 
-from cluster.checkpoint import (
+from cluster.core.errors import StorageError
+from cluster.run.checkpoint import (
     DISCARDED,
     MANIFEST,
     QUARANTINE,
@@ -17,8 +18,7 @@ from cluster.checkpoint import (
     serialize,
     step_dir,
 )
-from cluster.errors import StorageError
-from cluster.storage import Storage
+from cluster.run.storage import Storage
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -147,7 +147,7 @@ def test_retention_keeps_the_best_scored_checkpoint_besides_the_newest(store: Ch
 
 
 def test_the_best_follows_the_newest_score_s_metric_and_mode(store: CheckpointStore) -> None:
-    from cluster.checkpoint import best_of
+    from cluster.run.checkpoint import best_of
 
     scored(store, 5, 0.1, "loss", "min")
     scored(store, 10, 0.7, "acc", "max")
@@ -160,7 +160,7 @@ def test_the_best_follows_the_newest_score_s_metric_and_mode(store: CheckpointSt
 
 def test_load_best_and_its_errors(tmp_path: object) -> None:
     from cluster import load_checkpoint
-    from cluster.errors import CheckpointError
+    from cluster.core.errors import CheckpointError
 
     store = CheckpointStore(Storage(f"{tmp_path}/run"))
     scored(store, 5, None)
@@ -295,7 +295,7 @@ def test_discard_after_sets_aside_the_best_and_milestones_newer_than_the_point(
 def test_the_step_rows_up_to_a_commit_are_written_beside_it_and_only_once_it_committed(
     tmp_path: object, async_save: bool
 ) -> None:
-    from cluster.metrics import COMMIT_ROWS, read_metric_parts
+    from cluster.run.logs import COMMIT_ROWS, read_metric_parts
 
     class NoModel(Storage):  # the second commit's weights never land
         def write_bytes(self, rel: str, data: bytes) -> None:

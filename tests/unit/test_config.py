@@ -7,8 +7,10 @@ from typing import Any
 
 import pytest
 
-from cluster.config import JobConfig, field_docs, load_config, parse_fault_env
-from cluster.errors import ConfigError
+from cluster.core.errors import ConfigError
+from cluster.spec.config import JobConfig
+from cluster.spec.load import load_config, parse_fault_env
+from cluster.spec.reference import field_docs
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -179,7 +181,7 @@ def test_field_docs_cover_every_key() -> None:
 
 
 def test_skip_steps_are_steps_or_ranges_sorted_and_merged() -> None:
-    from cluster.config import skip_windows
+    from cluster.spec.schedule import skip_windows
 
     cfg = load_config(TINY, ['training.skip_steps=[1450, "1201-1300", " 1301 - 1305 ", 90-99, 95]'])
     assert skip_windows(cfg.training.skip_steps) == [(90, 99), (1201, 1305), (1450, 1450)]

@@ -12,16 +12,16 @@ import time
 import pytest
 
 from cluster.__main__ import main
-from cluster.control import (
+from cluster.driver.control import DriverBeat
+from cluster.inspect import FINISHED, INTERRUPTED, RUNNING, UNFINISHED, format_show, live_status, report
+from cluster.run.requests import (
     DRIVER_FILE,
     DRIVER_GONE_S,
-    DriverBeat,
     driver_seen,
     read_stop_request,
     write_stop_request,
 )
-from cluster.inspect import FINISHED, INTERRUPTED, RUNNING, UNFINISHED, format_show, live_status, report
-from cluster.storage import Storage
+from cluster.run.storage import Storage
 
 pytestmark = pytest.mark.timeout(60)
 

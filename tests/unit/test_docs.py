@@ -13,9 +13,10 @@ import sys
 
 import pytest
 
-from cluster import docs
-from cluster.config import JobConfig, field_docs
-from cluster.metrics import SCHEMA
+from cluster.run.logs import SCHEMA
+from cluster.spec import reference as docs
+from cluster.spec.config import JobConfig
+from cluster.spec.reference import field_docs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 README = os.path.join(REPO, "README.md")
@@ -165,6 +166,33 @@ def test_config_keys_and_modules_named_in_docs_exist(page: str) -> None:
     assert missing == set(), f"{os.path.relpath(page, REPO)} runs `python -m` on modules that do not exist"
 
 
+_DOTTED = re.compile(r"(?<![\w.])cluster\.[A-Za-z_][\w.]*\w")
+
+
+def _resolves(name: str) -> bool:
+    """Whether ``cluster.a.b.c`` names a module, or an attribute of the longest module it starts with."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[i:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+@pytest.mark.parametrize("page", _pages(), ids=lambda p: os.path.relpath(p, REPO))
+def test_module_paths_named_in_docs_exist(page: str) -> None:
+    named = {m for span in _CODE.findall(_read(page)) for m in _DOTTED.findall(span)}
+    missing = sorted(m for m in named if not _resolves(m))
+    assert missing == [], f"{os.path.relpath(page, REPO)} names modules or names that do not exist (moved?)"
+
+
 def test_readme_test_command_is_what_ci_runs() -> None:
     with open(os.path.join(REPO, ".ci", "run")) as fh:
         lines = fh.read().splitlines()
@@ -182,7 +210,8 @@ def test_docs_metrics_table_matches_schema() -> None:
     assert "`m_<key>`" in text  # the extra metrics' columns are documented next to the fixed ones
 
 
-# --- docs/events.md: generated from cluster.events -------------------------------------------------------
+# --- docs/events.md: generated from cluster.core.events
+# -------------------------------------------------------
 
 EVENTS_DOC = os.path.join(DOCS, "events.md")
 
@@ -197,7 +226,7 @@ def test_events_doc_is_what_the_catalogue_generates() -> None:
 
 @pytest.mark.multiprocess  # starts a process
 def test_events_reference_has_one_row_per_kind_and_is_rewritten_when_stale(tmp_path: pathlib.Path) -> None:
-    from cluster.events import KINDS
+    from cluster.core.events import KINDS
 
     rows = [line for line in docs.events_reference().splitlines() if line.startswith("| `")]
     assert [r.split("`")[1] for r in rows] == list(KINDS)

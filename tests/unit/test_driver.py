@@ -10,13 +10,14 @@ from typing import Any
 import pytest
 import torch
 
-from cluster.checkpoint import CheckpointStore, serialize, step_dir
-from cluster.config import FailureConfig, load_config
-from cluster.driver import Driver, Failed, FailurePolicy, Running, Starting
-from cluster.errors import Failure, ResourcesUnavailableError, TrainingFailedError, WorkerError
-from cluster.group import Heartbeat, SetupInfo
-from cluster.metrics import read_metrics
-from cluster.peer import PeerPlan, PeerState
+from cluster.core.errors import Failure, ResourcesUnavailableError, TrainingFailedError, WorkerError
+from cluster.driver.driver import Driver, Failed, FailurePolicy, Running, Starting
+from cluster.run.checkpoint import CheckpointStore, serialize, step_dir
+from cluster.run.logs import read_metrics
+from cluster.seam.peers import PeerPlan, PeerState
+from cluster.seam.protocol import Heartbeat, SetupInfo
+from cluster.spec.config import FailureConfig
+from cluster.spec.load import load_config
 from tests.support.fakes import STEPS, ScriptedGroup, kinds, make, peer, transitions
 
 pytestmark = pytest.mark.timeout(30)
@@ -34,7 +35,7 @@ def test_clean_run_walks_the_states_and_finishes() -> None:
     assert ScriptedGroup.instances[0].calls == ["epoch0@0", "epoch1@0", "epoch2@0", "finish"]
     assert ScriptedGroup.instances[0].shut is True  # graceful at the end
     assert kinds(driver).count("epoch_end") == 3 and "finished" in kinds(driver)
-    from cluster.control import driver_seen
+    from cluster.run.requests import driver_seen
 
     beat = driver_seen(driver.storage)  # the driver's presence, last written as it ended
     assert beat is not None and beat["ended"] is True and beat["state"] == "finished"
@@ -85,7 +86,7 @@ def test_hang_detected_by_heartbeat() -> None:
     assert [e["event"] for e in ev].index("stacks") < [e["event"] for e in ev].index("failure")
     assert dump["kind"] == "hang" and dump["reason"].startswith("hang: no progress")
     assert dump["groups"] == [
-        {"ranks": [0], "where": "all_reduce (torch/d.py:5) from _train_step (cluster/worker.py:9)"},
+        {"ranks": [0], "where": "all_reduce (torch/d.py:5) from _train_step (cluster/rank/worker.py:9)"},
         {"ranks": [1], "where": "compute_loss (r/mytask.py:7)"},
     ]
     assert driver.storage.read_bytes(dump["path"]).decode().startswith("# stacks of 2 rank(s): hang")
@@ -121,7 +122,7 @@ def test_policy_backoff_doubles_and_is_capped() -> None:
 def test_every_transition_goes_through_one_place_and_states_carry_their_data(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.DEBUG, logger="cluster.driver")
+    caplog.set_level(logging.DEBUG, logger="cluster.driver.driver")
     driver, _ = make({0: ["ok", Failure("worker_died", 1, "worker_died:rank 1 died")]}, resume={1: 6})
     assert driver.run().status == "finished"
     assert transitions(caplog) == [
@@ -233,7 +234,7 @@ def test_a_lost_node_with_nothing_kept_says_why() -> None:
 def test_the_automatic_hang_timeout_stays_below_the_process_group_timeout() -> None:
     """A slow step raises the automatic hang timeout (10x the slowest step), but never to the process-group
     timeout: a stuck collective must be reported as a hang, not as a dead worker when it times out."""
-    from cluster.policy import HangWatch
+    from cluster.driver.policy import HangWatch
 
     cfg = load_config(overrides=["failures.process_group_timeout_s=100", "failures.hang_timeout_floor_s=20"])
     watch = HangWatch(cfg.failures, 0)
@@ -247,7 +248,7 @@ def test_the_automatic_hang_timeout_stays_below_the_process_group_timeout() -> N
 def test_an_evaluation_s_batches_are_progress_for_the_hang_watch() -> None:
     """No step advances while an evaluation runs: its batches keep the rank from being called hung, and a
     rank stuck inside one is still found."""
-    from cluster.policy import HangWatch
+    from cluster.driver.policy import HangWatch
 
     # 0.2 s: below what a real heartbeat measures (refused in a config), set here for the watch alone
     watch = HangWatch(dataclasses.replace(load_config().failures, hang_timeout_s=0.2), 0)

@@ -1,5 +1,5 @@
 """The driver's requests through the scripted group: a stop (signal, stop file, time limit), stacks and
-profiles asked for while the ranks train (cluster.control)."""
+profiles asked for while the ranks train (cluster.driver.control)."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ from collections.abc import Collection
 
 import pytest
 
-from cluster.checkpoint import CommitRecord
-from cluster.errors import Failure
-from cluster.group import Salvage
-from cluster.peer import PeerState
+from cluster.core.errors import Failure
+from cluster.run.checkpoint import CommitRecord
+from cluster.seam.peers import PeerState
+from cluster.seam.protocol import Salvage
 from tests.support.fakes import STEPS, ScriptedGroup, kinds, make
 
 pytestmark = pytest.mark.timeout(30)
 
 
 def test_stacks_asked_for_while_training_are_answered_once_with_the_request_id() -> None:
-    from cluster.control import STACKS_FILE, write_stacks_request
+    from cluster.run.requests import STACKS_FILE, write_stacks_request
 
     driver, _ = make(
         {0: ["busy", "busy"]},
@@ -66,7 +66,7 @@ def test_a_stop_asked_for_stops_every_rank_at_a_step_with_a_checkpoint_and_ends_
 
 
 def test_a_stop_file_is_read_while_training_acted_on_once_and_removed() -> None:
-    from cluster.control import STOP_FILE, read_stop_request, request_stop
+    from cluster.run.requests import STOP_FILE, read_stop_request, request_stop
 
     driver, _ = make({0: ["busy", "busy"]}, group_cls=CommittingGroup)
     request_stop(driver.run_url, reason="python -m cluster stop by me@here")  # after the driver started
@@ -77,8 +77,8 @@ def test_a_stop_file_is_read_while_training_acted_on_once_and_removed() -> None:
 
 
 def test_a_stop_request_older_than_the_driver_is_removed_unread(caplog: pytest.LogCaptureFixture) -> None:
-    from cluster.control import STOP_FILE, write_stop_request
-    from cluster.storage import Storage
+    from cluster.run.requests import STOP_FILE, write_stop_request
+    from cluster.run.storage import Storage
 
     driver, _ = make({})
     write_stop_request(Storage(driver.run_url), reason="a stop that found no job")
@@ -123,7 +123,7 @@ def test_a_stop_reached_by_the_epoch_end_keeps_that_epoch_and_a_last_epoch_finis
 def test_signals_stop_cleanly_once_then_at_once_and_the_old_handlers_come_back() -> None:
     import signal
 
-    from cluster.api import stop_on_signals
+    from cluster.api.train import stop_on_signals
 
     driver, _ = make({})
     before = signal.getsignal(signal.SIGTERM)
@@ -136,7 +136,7 @@ def test_signals_stop_cleanly_once_then_at_once_and_the_old_handlers_come_back()
 
 
 def test_a_profile_asked_for_reaches_the_named_ranks_and_is_recorded() -> None:
-    from cluster.control import PROFILE_FILE, write_profile_request
+    from cluster.run.requests import PROFILE_FILE, write_profile_request
 
     driver, _ = make({0: ["busy", "busy"]})
     req = write_profile_request(driver.storage, steps=500, ranks=[1, 7])  # 7: no such rank; 500: too many
@@ -157,7 +157,7 @@ def test_a_profile_asked_for_reaches_the_named_ranks_and_is_recorded() -> None:
 
 
 def test_requests_left_from_before_the_job_are_removed_unanswered() -> None:
-    from cluster.control import PROFILE_FILE, STACKS_FILE, write_profile_request, write_stacks_request
+    from cluster.run.requests import PROFILE_FILE, STACKS_FILE, write_profile_request, write_stacks_request
 
     driver, _ = make({0: ["busy"]})
     write_profile_request(driver.storage, 3, None)

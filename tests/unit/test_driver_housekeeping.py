@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from cluster.checkpoint import CheckpointUnreadableError, CommitRecord
-from cluster.control import PROFILE_FILE
-from cluster.errors import TrainingFailedError
-from cluster.group import EpochResult, SetupInfo
+from cluster.core.errors import TrainingFailedError
 from cluster.inspect import run_status
+from cluster.run.checkpoint import CheckpointUnreadableError, CommitRecord
+from cluster.run.requests import PROFILE_FILE
+from cluster.seam.protocol import EpochResult, SetupInfo
 from tests.support.fakes import STEPS, ScriptedGroup, kinds, make
 
 pytestmark = [pytest.mark.timeout(60)]
@@ -41,7 +41,7 @@ def test_a_malformed_profile_request_is_a_warning_and_the_run_goes_on(
     driver.storage.write_bytes(
         PROFILE_FILE, b'{"id": "p1", "steps": "many", "ranks": ["x", 1], "requested_at": 4102444800}'
     )
-    with caplog.at_level(logging.WARNING, logger="cluster.control"):
+    with caplog.at_level(logging.WARNING, logger="cluster.driver.control"):
         result = driver.run()
     assert result.status == "finished" and not result.failures
     (asked,) = [e for e in driver.events.records() if e["event"] == "profile_requested"]
@@ -54,7 +54,7 @@ def test_requested_at_that_is_not_a_time_is_a_stale_request_not_a_crash(
 ) -> None:
     driver, _ = make({})
     driver.storage.write_bytes(PROFILE_FILE, b'{"id": "p1", "requested_at": null}')
-    with caplog.at_level(logging.WARNING, logger="cluster.control"):
+    with caplog.at_level(logging.WARNING, logger="cluster.driver.control"):
         assert driver.run().status == "finished"
     assert "requested_at=None is not a time" in caplog.text
     assert "profile_requested" not in kinds(driver) and not driver.storage.exists(PROFILE_FILE)
@@ -74,7 +74,7 @@ def test_ray_not_answering_about_room_to_grow_is_a_warning(caplog: pytest.LogCap
         capacity=1,
         group_cls=RayDoesNotAnswer,
     )
-    with caplog.at_level(logging.WARNING, logger="cluster.moves"):
+    with caplog.at_level(logging.WARNING, logger="cluster.driver.moves"):
         result = driver.run()
     assert result.status == "finished" and not result.failures and result.world_size == 1
     assert caplog.text.count("could not ask Ray for room to grow") == 1

@@ -1,5 +1,5 @@
 """The driver's moves through the scripted group: drain notices, slow ranks moved off their node, shrinking
-and growing back (cluster.moves decides, the driver carries it out)."""
+and growing back (cluster.driver.moves decides, the driver carries it out)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from cluster.config import JobConfig
-from cluster.errors import Failure
-from cluster.group import Heartbeat, SetupInfo
-from cluster.peer import PeerPlan
-from cluster.preemption import DrainNotice
+from cluster.core.errors import Failure
+from cluster.seam.peers import PeerPlan
+from cluster.seam.preemption import DrainNotice
+from cluster.seam.protocol import Heartbeat, SetupInfo
+from cluster.spec.config import JobConfig
 from tests.support.fakes import STEPS, ScriptedGroup, kinds, make, transitions
 
 pytestmark = pytest.mark.timeout(30)
@@ -76,7 +76,7 @@ def test_a_smaller_group_grows_back_mid_epoch_at_a_step_checkpoint() -> None:
 
 
 def test_growing_back_is_a_transition_of_its_own(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.DEBUG, logger="cluster.driver")
+    caplog.set_level(logging.DEBUG, logger="cluster.driver.driver")
     driver, cap = make({}, ["scaling.min_workers=1"], capacity=1, resume={1: STEPS})
     original_factory = driver.group_factory
 
@@ -179,7 +179,7 @@ class SlowOne(ScriptedGroup):
     """Rank 1's own part of each step is 3x the others' in every heartbeat; setup reports a node per rank."""
 
     def heartbeats(self, timeout: float = 2.0) -> list[Heartbeat | None]:
-        from cluster.pace import Pace
+        from cluster.seam.protocol import Pace
 
         slow = self.attempt == 0  # the replacement keeps pace
         return [

@@ -1,5 +1,5 @@
 """The run's record through the driver: console lines and the live bar, events, metric rows and evaluations
-(cluster.record)."""
+(cluster.driver.record)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from cluster.config import JobConfig
-from cluster.errors import Failure
-from cluster.group import EpochResult, Heartbeat, SetupInfo
-from cluster.metrics import read_metrics
+from cluster.core.errors import Failure
+from cluster.run.logs import read_metrics
+from cluster.seam.protocol import EpochResult, Heartbeat, SetupInfo
+from cluster.spec.config import JobConfig
 from tests.support.fakes import STEPS, ScriptedGroup, make, peer
 
 pytestmark = pytest.mark.timeout(30)
@@ -205,7 +205,7 @@ def test_the_live_bar_shows_an_evaluations_progress_while_the_step_stands_still(
 
 def test_a_secret_quoted_by_a_failure_is_hidden_in_the_events_and_the_console() -> None:
     """A task's exception that quotes a credential of the job (here a ``scaling.env`` value) reaches the
-    event log and the console with that value hidden, as every sink has it (cluster.redact)."""
+    event log and the console with that value hidden, as every sink has it (cluster.core.redact)."""
     secret = "hf_S3cr3tT0k3nValue"
     driver, _ = make(
         {0: ["ok", Failure("worker_died", 1, f"worker_died:rank 1: login refused for token {secret}")]},

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.errors import Failure
+from cluster.core.errors import Failure
 from tests.support.fakes import STEPS, ScriptedGroup, kinds
 from tests.support.scale import DEAD, SLOW, N, big_driver, cpu_per_round
 

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from cluster import dry_run, load_config
-from cluster.checkpoint import serialize
-from cluster.dryrun import DryRunError
-from cluster.task import build_task
+from cluster.api.dryrun import DryRunError
+from cluster.run.checkpoint import serialize
+from cluster.spec.task import build_task
 from jobs.train import main
 
 pytestmark = pytest.mark.timeout(120)

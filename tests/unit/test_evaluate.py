@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 from cluster import Task, TensorBatchDataset, load_config
-from cluster.config import EvaluationConfig
-from cluster.errors import ConfigError
-from cluster.evaluate import _combine, eval_batch_size, evaluate
+from cluster.core.errors import ConfigError
+from cluster.driver.tracking import scalars
 from cluster.inspect import eval_rows, format_evaluations
-from cluster.schedule import eval_due
-from cluster.tracking import scalars
-from cluster.worker import _checked_eval_set
+from cluster.rank.evaluate import _combine, eval_batch_size, evaluate
+from cluster.rank.worker import _checked_eval_set
+from cluster.spec.config import EvaluationConfig
+from cluster.spec.schedule import eval_due
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -205,7 +205,7 @@ def test_a_float_loss_is_fine_and_a_non_scalar_one_is_a_clear_error() -> None:
 
 
 def test_the_best_counts_each_evaluation_once_and_stops_after_patience() -> None:
-    from cluster.evaluate import BestEval
+    from cluster.rank.evaluate import BestEval
 
     best = BestEval("acc", "max", patience=2)
     assert best.update(2, {"loss": 1.0, "acc": 0.5}) is True  # the first is the best

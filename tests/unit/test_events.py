@@ -12,8 +12,8 @@ import pyarrow.json as pj
 import pytest
 
 from cluster.inspect import read_events
-from cluster.metrics import EventLog, read_event_log
-from cluster.storage import Storage
+from cluster.run.logs import EventLog, read_event_log
+from cluster.run.storage import Storage
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -87,7 +87,8 @@ def test_segments_close_by_age_and_a_torn_line_is_skipped(tmp_path: pathlib.Path
     assert [r["i"] for r in read_event_log(storage)] == [0, 1, 2]
 
 
-# --- the catalogue (cluster.events): every kind written is declared, with every field it carries ----------
+# --- the catalogue (cluster.core.events): every kind written is declared, with every field it carries
+# ----------
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "cluster"
 
@@ -114,13 +115,15 @@ def written_kinds() -> dict[str, set[str]]:
 
 
 def test_every_event_the_package_writes_is_declared_with_its_fields() -> None:
-    from cluster.events import KINDS, line
+    from cluster.core.events import KINDS, line
 
     written = written_kinds()
     assert {"run_start", "failure", "recovered", "checkpoint", "finished", "rewound"} <= set(written)
-    assert set(written) - set(KINDS) == set(), "declare these kinds in cluster/events.py"
+    assert set(written) - set(KINDS) == set(), "declare these kinds in cluster/core/events.py"
     for kind, fields in written.items():
-        assert fields - set(KINDS[kind].fields) == set(), f"{kind}: declare these fields in cluster/events.py"
+        assert fields - set(KINDS[kind].fields) == set(), (
+            f"{kind}: declare these fields in cluster/core/events.py"
+        )
     # the kinds written under a computed name (a move's record) are declared too
     assert {"preemption_move", "slow_rank_moved"} <= set(KINDS)
     for kind in KINDS.values():  # every kind reads as one line, even with none of its fields
@@ -128,7 +131,7 @@ def test_every_event_the_package_writes_is_declared_with_its_fields() -> None:
 
 
 def test_an_unknown_kind_reads_as_its_fields() -> None:
-    from cluster.events import detail, line
+    from cluster.core.events import detail, line
 
     record = {"time": 1.0, "event": "from_the_future", "a": 1, "b": None, "config": {"x": 1}}
     assert line("from_the_future", record) == "from_the_future a=1"

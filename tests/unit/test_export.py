@@ -13,10 +13,10 @@ from safetensors.torch import load_file, safe_open
 from torch import nn
 
 from cluster.__main__ import main
-from cluster.checkpoint import CheckpointStore, serialize
-from cluster.errors import ConfigError
-from cluster.export import export_checkpoint
-from cluster.storage import Storage
+from cluster.api.export import export_checkpoint
+from cluster.core.errors import ConfigError
+from cluster.run.checkpoint import CheckpointStore, serialize
+from cluster.run.storage import Storage
 
 pytestmark = pytest.mark.timeout(60)
 

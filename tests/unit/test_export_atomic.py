@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-from cluster.checkpoint import CheckpointStore, serialize
-from cluster.errors import StorageError
-from cluster.export import export_checkpoint
-from cluster.storage import Storage
+from cluster.api.export import export_checkpoint
+from cluster.core.errors import StorageError
+from cluster.run.checkpoint import CheckpointStore, serialize
+from cluster.run.storage import Storage
 from tests.support.faultfs import Faults
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]

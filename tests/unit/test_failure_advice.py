@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.checkpoint import CheckpointStore, serialize, step_dir
-from cluster.errors import Failure, TrainingFailedError
+from cluster.core.errors import Failure, TrainingFailedError
 from cluster.inspect import resume_advice
-from cluster.storage import Storage
+from cluster.run.checkpoint import CheckpointStore, serialize, step_dir
+from cluster.run.storage import Storage
 from tests.support.fakes import make
 
 pytestmark = pytest.mark.timeout(30)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from cluster.goodput import CLASSES, Goodput, Ledger, classify, goodput_of, ledger_for
+from cluster.run.goodput import CLASSES, Goodput, Ledger, classify, goodput_of, ledger_for
 
 pytestmark = pytest.mark.timeout(30)
 

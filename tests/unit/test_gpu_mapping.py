@@ -1,12 +1,12 @@
-"""How ranks see the GPUs of their node (``cluster.dist.share_gpus``) and which raised errors retire a
-process on a GPU (``cluster.errors.device_broken``). Pure functions: no GPU needed."""
+"""How ranks see the GPUs of their node (``cluster.rank.dist.share_gpus``) and which raised errors retire a
+process on a GPU (``cluster.core.errors.device_broken``). Pure functions: no GPU needed."""
 
 from __future__ import annotations
 
 import pytest
 
-from cluster.dist import share_gpus
-from cluster.errors import WorkerError, device_broken
+from cluster.core.errors import WorkerError, device_broken
+from cluster.rank.dist import share_gpus
 
 pytestmark = pytest.mark.timeout(30)
 

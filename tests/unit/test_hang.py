@@ -1,5 +1,5 @@
-"""Telling the hung rank from the ranks waiting for it (``cluster.hang``), and the automatic hang timeout
-after warm-up (``cluster.policy.HangWatch``, on an injected clock)."""
+"""Telling the hung rank from the ranks waiting for it (``cluster.driver.hang``), and the automatic hang
+timeout after warm-up (``cluster.driver.policy.HangWatch``, on an injected clock)."""
 
 from __future__ import annotations
 
@@ -7,17 +7,19 @@ import dataclasses
 
 import pytest
 
-from cluster.config import load_config
-from cluster.group import Heartbeat
-from cluster.hang import hang_failure, judge, state_of
-from cluster.pace import Pace
-from cluster.policy import HangStats, HangWatch
-from cluster.stacks import Frame, ThreadStack
+from cluster.core.stacks import Frame, ThreadStack
+from cluster.driver.hang import hang_failure, judge, state_of
+from cluster.driver.policy import HangStats, HangWatch
+from cluster.seam.protocol import Heartbeat, Pace
+from cluster.spec.load import load_config
 
 pytestmark = pytest.mark.timeout(30)
 
 SITE = "/venv/lib/python3.12/site-packages"
-LOOP = [Frame("/app/cluster/worker.py", 450, "_train_epoch"), Frame("/app/cluster/step.py", 80, "train_step")]
+LOOP = [
+    Frame("/app/cluster/rank/worker.py", 450, "_train_epoch"),
+    Frame("/app/cluster/rank/step.py", 80, "train_step"),
+]
 ALLREDUCE = [*LOOP, Frame(f"{SITE}/torch/distributed/c10d_logger.py", 81, "wrapper")]
 BACKWARD = [
     *LOOP,
@@ -164,7 +166,7 @@ def test_a_timeout_the_user_set_is_kept_and_the_floor_can_be_kept_too() -> None:
 
 
 def test_a_short_minimum_is_refused() -> None:
-    from cluster.errors import ConfigError
+    from cluster.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"failures\.hang_timeout_min_s=1"):
         load_config(overrides=["failures.hang_timeout_min_s=1"])

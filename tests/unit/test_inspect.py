@@ -148,7 +148,7 @@ def test_slow_ranks_pair_with_the_step_they_kept_pace_again() -> None:
 
 
 def test_a_rollback_reads_as_one_line_in_watch_and_in_a_notification() -> None:
-    from cluster.events import line
+    from cluster.core.events import line
     from cluster.inspect import WATCHED, event_line
 
     e = {"event": "rollback", "window": [5, 7], "skipped": [6, 7], "checkpoint_step": 5, "discarded": [6]}

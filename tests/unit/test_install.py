@@ -31,8 +31,8 @@ def test_a_job_imports_no_dev_only_module() -> None:
     """Everything the job command, the driver and a worker import, in a fresh interpreter: none of the
     dev-only packages may be among them (else the lean install would fail at run time)."""
     code = (
-        "import sys, jobs.train, cluster.driver, cluster.worker, cluster.worker_group, jobs.tasks.charlm, "
-        "cluster.load, cluster.inspect; "
+        "import sys, jobs.train, cluster.driver.driver, cluster.rank.worker, cluster.worker_group, "
+        "jobs.tasks.charlm, cluster.api.load, cluster.inspect; "
         f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({DEV_ONLY!r})))"
     )
     out = subprocess.run(

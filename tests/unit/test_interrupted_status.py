@@ -1,5 +1,5 @@
 """``show``/``list``/``watch`` call a run ``interrupted`` as soon as its driver's process is gone from this
-machine (the lease names the machine and the pid: ``cluster.lease.gone_here``), not only once its
+machine (the lease names the machine and the pid: ``cluster.run.lease.gone_here``), not only once its
 ``driver.json`` has aged past ``DRIVER_GONE_S``. A real driver-like process holds the lease and beats."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from cluster.__main__ import main
 from cluster.inspect import INTERRUPTED, RUNNING, live_status
-from cluster.storage import Storage
+from cluster.run.storage import Storage
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -24,9 +24,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # anything once its stdin closes (as a SIGKILLed driver would: nothing written at the end).
 HOLDER = """
 import os, sys
-from cluster.control import DriverBeat
-from cluster.lease import Lease
-from cluster.storage import Storage
+from cluster.driver.control import DriverBeat
+from cluster.run.lease import Lease
+from cluster.run.storage import Storage
 run = Storage(sys.argv[1])
 run.write_bytes("run.json", b'{"config": {}}')
 Lease.take(run, "python pid %d" % os.getpid())

@@ -1,4 +1,4 @@
-"""One writer per run (cluster.lease): a live job refuses a second one, a gone one is taken over after its
+"""One writer per run (cluster.run.lease): a live job refuses a second one, a gone one is taken over after its
 beat stood still on the reader's own clock, and a job that was taken over can no longer write."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from cluster.control import DRIVER_FILE, DriverBeat
-from cluster.lease import (
+from cluster.driver.control import DriverBeat
+from cluster.run.lease import (
     FencedError,
     Holder,
     Lease,
@@ -21,8 +21,9 @@ from cluster.lease import (
     gone_here,
     this_machine,
 )
-from cluster.metrics import EventLog
-from cluster.storage import Storage
+from cluster.run.logs import EventLog
+from cluster.run.requests import DRIVER_FILE
+from cluster.run.storage import Storage
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -136,8 +137,8 @@ def test_a_taken_over_worker_commits_and_deletes_nothing(run: Storage) -> None:
     refused before any file of the step is written, and its retention deletes nothing."""
     import torch
 
-    from cluster.checkpoint import CheckpointStore, serialize
-    from cluster.lease import Fence
+    from cluster.run.checkpoint import CheckpointStore, serialize
+    from cluster.run.lease import Fence
 
     files = {"model.pt": serialize({"w": torch.ones(2)}), "train_state.pt": serialize({})}
     old = Lease.take(run, "old")
@@ -158,7 +159,7 @@ def test_stop_goes_through_the_lease(run: Storage, capsys: pytest.CaptureFixture
     """``python -m cluster stop`` names the job it asks (the lease's holder), and says when no job holds
     the run, whatever ``driver.json``'s clock says."""
     from cluster.__main__ import main
-    from cluster.control import STOP_FILE
+    from cluster.run.requests import STOP_FILE
 
     run.write_bytes("run.json", b'{"name": "run", "config": {}}')
     job = Lease.take(run, "raysubmit_x")
@@ -173,8 +174,8 @@ def test_stop_goes_through_the_lease(run: Storage, capsys: pytest.CaptureFixture
 
 HOLD = """
 import sys, time
-from cluster.lease import Lease
-from cluster.storage import Storage
+from cluster.run.lease import Lease
+from cluster.run.storage import Storage
 lease = Lease.take(Storage(sys.argv[1]), "crashed")
 lease.start()
 print("held", flush=True)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from cluster import Checkpoint, load_checkpoint, load_model
-from cluster.checkpoint import CheckpointStore, serialize, step_dir
-from cluster.errors import CheckpointError, ConfigError
-from cluster.storage import Storage
+from cluster.core.errors import CheckpointError, ConfigError
+from cluster.run.checkpoint import CheckpointStore, serialize, step_dir
+from cluster.run.storage import Storage
 from tests.support.tasks import AuditTask
 
 pytestmark = pytest.mark.timeout(60)
@@ -73,7 +73,7 @@ def test_corrupt_and_torn_checkpoints_are_skipped_with_the_reason(
     model_30.write_bytes(model_30.read_bytes()[:-7] + b"garbage")  # same size, wrong checksum
     (ckpts / "step_000000040").mkdir()  # torn: files but never a manifest
     (ckpts / "step_000000040" / "model.pt").write_bytes(b"partial")
-    with caplog.at_level(logging.WARNING, logger="cluster.load"):
+    with caplog.at_level(logging.WARNING, logger="cluster.api.load"):
         latest = load_checkpoint(run)
     assert latest.step == 20 and same(latest.model, states[20])
     reasons = dict(latest.skipped)
@@ -98,7 +98,7 @@ def test_clear_errors(tmp_path: pathlib.Path) -> None:
 
 # ------------------------------------------------------------------ training.init_from
 def test_init_from_is_checked_before_anything_starts(tmp_path: pathlib.Path) -> None:
-    from cluster.load import check_init_from
+    from cluster.run.restore import check_init_from
 
     run, _ = make_run(tmp_path, [10, 20, 30])
     assert check_init_from(run, None, None) == 30  # the latest
@@ -115,7 +115,7 @@ def test_init_from_is_checked_before_anything_starts(tmp_path: pathlib.Path) -> 
 
 
 def test_init_weights_load_all_or_name_what_does_not_fit() -> None:
-    from cluster.load import init_weights
+    from cluster.run.restore import init_weights
 
     torch.manual_seed(0)
     src = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))

@@ -1,10 +1,11 @@
-"""The embedded Ray's settings (``cluster.local_ray._system_config``): defaults, and a user's value wins."""
+"""The embedded Ray's settings (``cluster.api.local_ray._system_config``): defaults, and a user's value
+wins."""
 
 from __future__ import annotations
 
 import pytest
 
-from cluster import local_ray
+from cluster.api import local_ray
 
 pytestmark = pytest.mark.timeout(30)
 

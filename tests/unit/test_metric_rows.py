@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from cluster.group import EpochResult, Heartbeat
 from cluster.inspect import run_metrics
-from cluster.metrics import EventLog, read_metrics, write_metrics
-from cluster.storage import Storage
+from cluster.run.logs import EventLog, read_metrics, write_metrics
+from cluster.run.storage import Storage
+from cluster.seam.protocol import EpochResult, Heartbeat
 from tests.support.fakes import STEPS, ScriptedGroup, make
 
 pytestmark = [pytest.mark.timeout(60)]

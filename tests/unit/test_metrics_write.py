@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from cluster.metrics import SCHEMA, read_metrics, write_metrics
-from cluster.storage import Storage
+from cluster.run.logs import SCHEMA, read_metrics, write_metrics
+from cluster.run.storage import Storage
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -61,7 +61,7 @@ def test_rows_round_trip_with_nulls_nan_and_text(tmp_path) -> None:
 def test_writing_metrics_does_not_import_pandas(tmp_path) -> None:
     # pa.array would import pandas in the driver at the first epoch end, while the workers train.
     code = (
-        "import sys; from cluster.metrics import write_metrics; from cluster.storage import Storage;"
+        "import sys; from cluster.run.logs import write_metrics; from cluster.run.storage import Storage;"
         f"write_metrics(Storage({str(tmp_path)!r}), "
         "[{'kind': 'step', 'time': 1.0, 'global_step': 1}], 0, 0);"
         "print('pandas' in sys.modules)"

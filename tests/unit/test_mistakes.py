@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.config import load_config
-from cluster.errors import Failure, WorkerError
-from cluster.policy import FailurePolicy
-from cluster.worker import user_frame
+from cluster.core.errors import Failure, WorkerError
+from cluster.driver.policy import FailurePolicy
+from cluster.rank.worker import user_frame
+from cluster.spec.load import load_config
 from cluster.worker_group.classify import setup_failure
 from tests.support.mistakes import MISTAKES, SETUP_MISTAKES, closed_port, fill, run
 

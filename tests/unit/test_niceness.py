@@ -22,7 +22,7 @@ pytestmark = [
 
 PROBE = textwrap.dedent("""
     import json, os, sys, threading
-    from cluster.process import set_niceness
+    from cluster.rank.process import set_niceness
 
     stop = threading.Event()
     thread = threading.Thread(target=stop.wait)  # made before: inherits 15

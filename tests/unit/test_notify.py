@@ -9,9 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from cluster.config import load_config, resolve_notify_url
-from cluster.errors import ConfigError, Failure
-from cluster.tracking import Tracker, WebhookSink
+from cluster.core.errors import ConfigError, Failure
+from cluster.driver.tracking import Tracker, WebhookSink
+from cluster.spec.config import resolve_notify_url
+from cluster.spec.load import load_config
 from tests.support.fakes import Hook, make
 
 pytestmark = pytest.mark.timeout(60)

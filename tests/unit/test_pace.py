@@ -10,10 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from cluster.config import ConfigError, load_config
-from cluster.group import Heartbeat
-from cluster.pace import KEEP_HOOKS, Pace, StepPace
-from cluster.policy import SLOW_ROUNDS, SlowRankWatch
+from cluster.driver.policy import SLOW_ROUNDS, SlowRankWatch
+from cluster.rank.pace import KEEP_HOOKS, StepPace
+from cluster.seam.protocol import Heartbeat, Pace
+from cluster.spec.config import ConfigError
+from cluster.spec.load import load_config
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -43,8 +44,8 @@ def test_a_rank_slow_for_three_rounds_is_reported_once_and_cleared_after_three_a
 
 
 def test_a_slow_rank_s_report_says_whether_its_input_or_its_compute_is_slow() -> None:
-    from cluster.events import console_line
-    from cluster.record import RunRecord
+    from cluster.core.events import console_line
+    from cluster.driver.record import RunRecord
 
     for input_ms, cause in ((55.0, "its input pipeline"), (3.0, "its forward and backward")):
         watch = SlowRankWatch(1.5)

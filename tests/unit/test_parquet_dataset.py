@@ -1,5 +1,5 @@
-"""ParquetDataset (cluster.parquet): lazy reads by row group, the windowed order, exact resume at any world
-size, the errors before training starts, and an s3:// dataset on a real S3 server (moto)."""
+"""ParquetDataset (cluster.data.parquet): lazy reads by row group, the windowed order, exact resume at any
+world size, the errors before training starts, and an s3:// dataset on a real S3 server (moto)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from cluster.data import ResumableDistributedSampler
-from cluster.errors import ConfigError
-from cluster.parquet import BlockedPermutation, ParquetDataset
+from cluster.core.errors import ConfigError
+from cluster.data.parquet import BlockedPermutation, ParquetDataset
+from cluster.data.pipeline import ResumableDistributedSampler
 from tests.support.storage import MotoS3
 
 pytestmark = pytest.mark.timeout(60)

@@ -5,17 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.peer import (
-    BUCKET_BYTES,
-    PeerPlan,
-    PeerState,
-    _buckets,
-    _flatten,
-    _slots,
-    _unflatten,
-    plan_recovery,
-    state_digest,
-)
+from cluster.rank.peer_transfer import BUCKET_BYTES, _buckets, _flatten, _slots, _unflatten, state_digest
+from cluster.seam.peers import PeerPlan, PeerState, plan_recovery
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -97,7 +88,7 @@ def test_a_sharded_optimizer_is_reported_unsendable(tmp_path: object) -> None:
     import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from cluster.ddp import unsendable as _unsendable
+    from cluster.rank.ddp import unsendable as _unsendable
 
     model = torch.nn.Linear(2, 2)
     assert _unsendable(torch.optim.AdamW(model.parameters())) == ""

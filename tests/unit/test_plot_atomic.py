@@ -15,8 +15,8 @@ pytest.importorskip("matplotlib")
 
 from matplotlib.figure import Figure
 
-from cluster import plot
-from cluster.storage import Storage
+from cluster.inspect import plot
+from cluster.run.storage import Storage
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

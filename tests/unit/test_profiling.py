@@ -1,4 +1,4 @@
-"""``cluster.profiling.StepProfiler``: a request records the next steps with torch.profiler and writes a
+"""``cluster.rank.profiling.StepProfiler``: a request records the next steps with torch.profiler and writes a
 trace and a table to storage; without a request nothing is recorded."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from cluster.profiling import ProfileRequest, StepProfiler, table_name, trace_name
-from cluster.storage import Storage
+from cluster.rank.profiling import ProfileRequest, StepProfiler, table_name, trace_name
+from cluster.run.storage import Storage
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""Lemon nodes kept out (cluster.quarantine): the counting of incidents per node, the state a resubmission
+"""Lemon nodes kept out (cluster.run.quarantine): the counting of incidents per node, the state a resubmission
 reads back, the release, and the driver's seam (the scripted worker group is told which nodes to keep off,
 by the run that quarantined them and by its resubmission)."""
 
@@ -12,13 +12,12 @@ from typing import Any
 
 import pytest
 
-from cluster.config import load_config
-from cluster.driver import Driver
-from cluster.errors import ConfigError, Failure, FencedError
-from cluster.group import SetupInfo
-from cluster.hang import HangVerdict
-from cluster.quarantine import QUARANTINE_FILE, Quarantine, read, show_lines, unquarantine
-from cluster.storage import Storage
+from cluster.core.errors import ConfigError, Failure, FencedError, HangVerdict
+from cluster.driver.driver import Driver
+from cluster.run.quarantine import QUARANTINE_FILE, Quarantine, read, show_lines, unquarantine
+from cluster.run.storage import Storage
+from cluster.seam.protocol import SetupInfo
+from cluster.spec.load import load_config
 from tests.support.fakes import ScriptedGroup, kinds
 
 pytestmark = pytest.mark.timeout(60)

@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from cluster.data import read_parquet
-from cluster.errors import ConfigError
+from cluster.core.errors import ConfigError
+from cluster.data.pipeline import read_parquet
 from jobs.make_tabular import make_table, write
 
 pytestmark = pytest.mark.timeout(60)

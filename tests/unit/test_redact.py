@@ -1,5 +1,5 @@
-"""The one redaction (``cluster.redact``): which values of a config, a record or a message are hidden, and
-which stay readable. Key names stay, values become ``***``."""
+"""The one redaction (``cluster.core.redact``): which values of a config, a record or a message are hidden,
+and which stay readable. Key names stay, values become ``***``."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 
-from cluster.config import from_dict
-from cluster.redact import (
+from cluster.core.redact import (
     MASK,
     harmless_env,
     redact_config,
@@ -18,6 +17,7 @@ from cluster.redact import (
     remember,
     secret_key,
 )
+from cluster.spec.load import from_dict
 
 pytestmark = pytest.mark.timeout(30)
 

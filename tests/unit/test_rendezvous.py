@@ -1,5 +1,5 @@
 """Rank 0's rendezvous store listens on one address of its own, never on every interface
-(``cluster.dist.bind_store``, ``store_address``): loopback when the group is on one node, else the node's
+(``cluster.rank.dist.bind_store``, ``store_address``): loopback when the group is on one node, else the node's
 address (or ``scaling.socket_ifname``'s); its socket is ours, so an IPv4 client is not seen as IPv4-mapped
 IPv6, which /etc/hosts does not list (the store's host-name lookup of it waits on DNS, 5 s where DNS does
 not answer). gloo listens on the same choice (``listen_on``). Real TCPStores read back from the kernel's
@@ -14,8 +14,8 @@ import socket
 import pytest
 import torch.distributed as dist
 
-from cluster.dist import bind_store, interface_address, interface_of, listen_on, store_address
-from cluster.errors import ConfigError
+from cluster.core.errors import ConfigError
+from cluster.rank.dist import bind_store, interface_address, interface_of, listen_on, store_address
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,13 +8,15 @@ import pickle
 import pytest
 import torch
 
-from cluster import replica
-from cluster.checkpoint import CheckpointStore
-from cluster.config import load_config
-from cluster.errors import ConfigError, Failure, WorkerError
-from cluster.quarantine import Quarantine
-from cluster.replica import ReplicaMismatchError, digest, flip_bit, suspects
-from cluster.storage import Storage
+from cluster.core.errors import ConfigError, Failure, WorkerError
+from cluster.driver import replica_rollback
+from cluster.rank import replica
+from cluster.rank.replica import ReplicaMismatchError, digest, flip_bit, suspects
+from cluster.run.checkpoint import CheckpointStore
+from cluster.run.quarantine import Quarantine
+from cluster.run.storage import Storage
+from cluster.seam import mismatch
+from cluster.spec.load import load_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -82,12 +84,12 @@ def mismatch_error(suspect: list[int], agreed: int = 10) -> WorkerError:
 
 
 def test_a_mismatch_is_a_failure_of_its_own_kind_that_names_its_suspects() -> None:
-    failure = replica.failure_of(mismatch_error([2, 3]))
+    failure = mismatch.failure_of(mismatch_error([2, 3]))
     assert failure is not None and failure.kind == "replica_mismatch" and failure.rank == 2
-    assert replica.suspect_ranks(failure) == {2, 3}
+    assert mismatch.suspect_ranks(failure) == {2, 3}
     other = WorkerError(1, 5, "RuntimeError", "boom", "tb")
-    assert replica.failure_of(other) is None
-    assert replica.suspect_ranks(Failure("user_error", 1, "boom", other)) == set()
+    assert mismatch.failure_of(other) is None
+    assert mismatch.suspect_ranks(Failure("user_error", 1, "boom", other)) == set()
 
 
 def commit(store: CheckpointStore, step: int, agreed: bool, score: float | None = None) -> None:
@@ -107,7 +109,7 @@ def test_rollback_keeps_nothing_after_the_last_agreement_and_sets_aside_only_wha
     commit(store, 10, True)  # a milestone that agreed, newer than the agreement reported
     commit(store, 15, False, score=0.1)  # the best, but no check agreed on it
     commit(store, 20, False)  # a milestone without an agreement
-    back = replica.roll_back(store, agreed_step=7, keep_every=10)
+    back = replica_rollback.roll_back(store, agreed_step=7, keep_every=10)
     assert back == {"checkpoint_step": 5, "discarded": [15, 20], "set_aside": [10]}
     assert [i.step for i in store.list()] == [5]
 
@@ -119,11 +121,11 @@ def test_after_mismatch_records_the_event_and_rolls_back(tmp_path: object) -> No
     commit(store, 15, False)
     cfg = load_config(None, [])
     seen: list[tuple[str, dict]] = []
-    failure = replica.failure_of(mismatch_error([1], agreed=10))
+    failure = mismatch.failure_of(mismatch_error([1], agreed=10))
     assert failure is not None
     fenced: list[int] = []
     quarantine = Quarantine(storage, after=1)
-    replica.after_mismatch(
+    replica_rollback.after_mismatch(
         failure,
         storage,
         lambda: fenced.append(1),

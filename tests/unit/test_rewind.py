@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from cluster.__main__ import main
-from cluster.checkpoint import CheckpointStore, serialize
 from cluster.inspect import format_show, read_events, report
-from cluster.lease import FencedError, Lease
-from cluster.storage import Storage
+from cluster.run.checkpoint import CheckpointStore, serialize
+from cluster.run.lease import FencedError, Lease
+from cluster.run.storage import Storage
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from cluster.data import LEGACY_ORDER, TORCH_ORDER, ResumableDistributedSampler
+from cluster.data.pipeline import LEGACY_ORDER, TORCH_ORDER, ResumableDistributedSampler
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -120,7 +120,7 @@ def test_max_steps_and_too_small_dataset() -> None:
     s.set_epoch(0, 2)
     assert len(s) == 3
     assert len(list(s)) == 3
-    from cluster.errors import ConfigError
+    from cluster.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"fewer than training\.global_batch_size"):
         ResumableDistributedSampler(10, 64, 0, 1)
@@ -129,8 +129,8 @@ def test_max_steps_and_too_small_dataset() -> None:
 def test_skipped_steps_keep_their_place_and_the_loader_leaves_them_out() -> None:
     """A skipped step's batch is still yielded in place (positions never shift: the next step trains the
     batch it would have trained); the loader's micro-batches leave it out."""
-    from cluster.data import MicroBatches
-    from cluster.schedule import steps_to_skip
+    from cluster.data.pipeline import MicroBatches
+    from cluster.spec.schedule import steps_to_skip
 
     plain = ResumableDistributedSampler(96, 8, 1, 2, seed=3)
     plain.set_epoch(1, 2)

@@ -1,5 +1,5 @@
-"""The ranks' copies in memory for a NaN rollback (``cluster.snapshots``): when they are taken, that they do
-not follow the training after them, which are kept, and which step the ranks agree on."""
+"""The ranks' copies in memory for a NaN rollback (``cluster.rank.rollback_points``): when they are taken,
+that they do not follow the training after them, which are kept, and which step the ranks agree on."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from cluster.config import load_config
-from cluster.errors import ConfigError
-from cluster.peer import state_digest
-from cluster.snapshots import MemorySnapshots, agreed_step
-from cluster.train_state import RunPosition, TrainState, apply
+from cluster.core.errors import ConfigError
+from cluster.rank.peer_transfer import state_digest
+from cluster.rank.rollback_points import MemorySnapshots, agreed_step
+from cluster.rank.train_state import RunPosition, TrainState, apply
+from cluster.spec.load import load_config
 
 pytestmark = pytest.mark.timeout(60)
 

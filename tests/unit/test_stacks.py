@@ -1,4 +1,4 @@
-"""Taking, grouping and writing the ranks' thread stacks (``cluster.stacks``), in this process."""
+"""Taking, grouping and writing the ranks' thread stacks (``cluster.core.stacks``), in this process."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from cluster.stacks import Frame, ThreadStack, from_wire, group, ranges, render, take, to_wire, where
+from cluster.core.stacks import Frame, ThreadStack, from_wire, group, ranges, render, take, to_wire, where
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -73,3 +73,22 @@ def test_ranks_are_grouped_by_their_training_stack_and_silent_ones_named() -> No
 def test_ranges() -> None:
     assert ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
     assert ranges([3]) == "3" and ranges([]) == ""
+
+
+@pytest.mark.parametrize(
+    ("path", "shown"),
+    [
+        (
+            "/tmp/ray/session_x/runtime_resources/working_dir_files/abc/cluster/rank/faults.py",
+            "cluster/rank/faults.py",
+        ),
+        ("/repo/cluster/__main__.py", "cluster/__main__.py"),
+        (
+            "/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py",
+            "torch/distributed/c10d_logger.py",
+        ),
+        ("/home/me/proj/tasks/charlm.py", "tasks/charlm.py"),
+    ],
+)
+def test_a_frame_of_this_package_shows_its_layer(path: str, shown: str) -> None:
+    assert Frame(path, 3, "f").short() == f"f ({shown}:3)"

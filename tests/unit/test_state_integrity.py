@@ -16,17 +16,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cluster.checkpoint import CheckpointStore, serialize
-from cluster.config import JobConfig, load_config
-from cluster.data import ResumableDistributedSampler
-from cluster.dryrun import DryRunError, dry_run
-from cluster.errors import ConfigError
+from cluster.api.dryrun import DryRunError, dry_run
+from cluster.api.rewind import rewind
+from cluster.core.errors import ConfigError
+from cluster.data.pipeline import ResumableDistributedSampler
 from cluster.inspect import read_events
-from cluster.rewind import rewind
-from cluster.session import check_writable
-from cluster.storage import Storage
-from cluster.train_state import RunPosition, TrainState, capture
-from cluster.worker_recovery import check_fits, resume, rollback_point
+from cluster.rank.rejoin import check_fits, resume, rollback_point
+from cluster.rank.session import check_writable
+from cluster.rank.train_state import RunPosition, TrainState, capture
+from cluster.run.checkpoint import CheckpointStore, serialize
+from cluster.run.storage import Storage
+from cluster.spec.config import JobConfig
+from cluster.spec.load import load_config
 
 pytestmark = pytest.mark.timeout(60)
 

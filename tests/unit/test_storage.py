@@ -10,9 +10,10 @@ import uuid
 
 import pytest
 
-from cluster.config import load_config
-from cluster.errors import ConfigError, StorageError
-from cluster.storage import PROBE, Storage, check_probe, check_relative, redact, write_probe
+from cluster.core.errors import ConfigError, StorageError
+from cluster.core.urls import check_relative
+from cluster.run.storage import PROBE, Storage, check_probe, redact, write_probe
+from cluster.spec.load import load_config
 
 pytestmark = pytest.mark.timeout(60)
 

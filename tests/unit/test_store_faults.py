@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from cluster.checkpoint import CheckpointStore, CheckpointUnreadableError, step_dir
-from cluster.errors import StorageError
-from cluster.metrics import EventLog, read_event_log
-from cluster.storage import Storage
+from cluster.core.errors import StorageError
+from cluster.run.checkpoint import CheckpointStore, CheckpointUnreadableError, step_dir
+from cluster.run.logs import EventLog, read_event_log
+from cluster.run.storage import Storage
 from tests.support.faultfs import Faults
 from tests.support.store_faults import SCENARIOS, Scenario, commit, local_backend, walk
 

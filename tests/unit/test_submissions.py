@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from cluster.errors import ConfigError
-from cluster.group import SetupInfo
-from cluster.storage import Storage
+from cluster.core.errors import ConfigError
+from cluster.run.storage import Storage
+from cluster.seam.protocol import SetupInfo
 from tests.support.fakes import ScriptedGroup, make
 
 pytestmark = [pytest.mark.timeout(60)]

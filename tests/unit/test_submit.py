@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from cluster import load_config, submit
-from cluster.errors import ConfigError
-from cluster.submit import CONFIG_DIR, entrypoint, remove_config_file, write_config_file
+from cluster.api.submit import CONFIG_DIR, entrypoint, remove_config_file, write_config_file
+from cluster.core.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,10 +11,10 @@ from typing import Any
 import fsspec
 import pytest
 
-from cluster.errors import Failure
-from cluster.metrics import read_metrics
-from cluster.storage import Storage
-from cluster.tracking import Item, Tracker, flatten, scalars
+from cluster.core.errors import Failure
+from cluster.driver.tracking import Item, Tracker, flatten, scalars
+from cluster.run.logs import read_metrics
+from cluster.run.storage import Storage
 from tests.support.fakes import STEPS, RowsGroup, make
 
 pytestmark = pytest.mark.timeout(60)
@@ -65,7 +65,7 @@ def test_names_and_flattened_params() -> None:
 
 
 def test_a_failing_sink_is_retried_in_the_background_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("cluster.tracking.BACKOFF_S", 0.05)
+    monkeypatch.setattr("cluster.driver.tracking.BACKOFF_S", 0.05)
     sink = FlakySink()
     tracker = Tracker([sink], queue_size=1000, flush_timeout_s=10)
     tracker.rows([{"global_step": 1}])
@@ -87,7 +87,7 @@ def test_a_failing_sink_is_retried_in_the_background_in_order(monkeypatch: pytes
 
 
 def test_queue_is_bounded_and_close_keeps_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("cluster.tracking.BACKOFF_S", 0.05)
+    monkeypatch.setattr("cluster.driver.tracking.BACKOFF_S", 0.05)
     sink = FlakySink()
     sink.down.set()
     tracker = Tracker([sink], queue_size=10, flush_timeout_s=0.5)

@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 import torch
 
-from cluster.checkpoint import deserialize, serialize
-from cluster.data import LEGACY_ORDER, TORCH_ORDER
-from cluster.errors import CheckpointError
-from cluster.task import extra_metrics
-from cluster.train_state import TrainState
+from cluster.core.errors import CheckpointError
+from cluster.data.pipeline import LEGACY_ORDER, TORCH_ORDER
+from cluster.rank.train_state import TrainState
+from cluster.run.checkpoint import deserialize, serialize
+from cluster.spec.task import extra_metrics
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from cluster.config import load_config
-from cluster.process import worker_env
+from cluster.rank.process import worker_env
+from cluster.spec.load import load_config
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,0 +1,813 @@
+"""The coordinator: an explicit state machine that starts the group, drives epochs, watches heartbeats,
+decides on failures through a small policy object, and resumes from the latest verified checkpoint.
+
+States carry their data and ``Driver._step`` returns the next one; ``Driver._transition`` is the only place
+the state changes::
+
+    Starting --> Running --(epoch done)--> Running | Resizing --> Starting | Finishing --> Finished
+        |           |
+        |           +--(a stop asked for: a checkpoint at the next step)--> Stopped
+        +-----------+--(failure)--> Recovering --> Starting | Failed
+
+Whether a run is already complete is decided once, before any worker starts (``_initial_state``). A running
+group's mode is one value (``Driver.mode``: nothing, a stop, a grow or a move, see
+``cluster.driver.states.Mode``); when a group halts at a step boundary for one of them, ``_halted`` records
+what it trained and acts on it.
+
+What the driver leaves to others: the run's record (events, console lines, metric rows, tracking:
+``cluster.driver.record``), the decisions on failures (``cluster.driver.policy``), on drains, slow ranks and
+growing back (``cluster.driver.moves``), the run's requests (stop, time limit, stacks, profiles:
+``cluster.driver.control``), the gang of workers (``cluster.seam.protocol``), and the entry points
+(``cluster.api.train``).
+
+It never sits on a training step's path: workers train a whole epoch autonomously; the driver waits on the
+epoch's result and reads a heartbeat (global step, time of the last step): once a second while a live bar
+is drawn in a terminal, otherwise every twentieth of the hang timeout (3 s by default), because each
+heartbeat is a call into every worker while it trains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import time
+from typing import Any, TextIO
+
+from cluster.core.errors import (
+    CheckpointError,
+    ConfigError,
+    Failure,
+    ResourcesUnavailableError,
+    StorageError,
+    TrainingFailedError,
+)
+from cluster.core.urls import join, normalize_url
+from cluster.driver.control import DriverBeat, RunControl, dump_stacks, grace_note, start_profile
+from cluster.driver.hang import hang_failure
+from cluster.driver.moves import Cancel, Decision, GrowNow, MoveWatch, Prepare, StopFor
+from cluster.driver.policy import FailurePolicy, HangStats, HangWatch
+from cluster.driver.record import RunRecord, ended_early
+from cluster.driver.recovery_plan import peer_plan, rollback_window
+from cluster.driver.replica_rollback import after_mismatch
+from cluster.driver.result import Result, result_of
+from cluster.driver.states import (
+    Failed,
+    Finished,
+    Finishing,
+    Grow,
+    Mode,
+    Moving,
+    Recovering,
+    RecoveryTiming,
+    Resizing,
+    Running,
+    Starting,
+    State,
+    Stop,
+    Stopped,
+)
+from cluster.inspect.runs import resume_advice
+from cluster.run.checkpoint import CheckpointStore, CheckpointUnreadableError
+from cluster.run.lease import GENERATION_ENV, FencedError, Lease
+from cluster.run.quarantine import Quarantine
+from cluster.run.requests import PROFILE_FILE, STACKS_FILE
+from cluster.run.storage import PROBE_ENV, Storage, write_probe
+from cluster.seam.peers import PeerPlan, plan_recovery
+from cluster.seam.preemption import Move
+from cluster.seam.protocol import EpochResult, GroupFactory, Salvage, SetupInfo, StartCancelled, WorkerGroup
+from cluster.spec.config import JobConfig
+from cluster.spec.schedule import Window, merge_windows, skip_windows
+
+__all__ = ["Driver", "FailurePolicy"]
+
+logger = logging.getLogger(__name__)
+
+
+class Driver:
+    """Runs one job to its end. ``run`` loops ``state = self._step(state)`` until a terminal state; every
+    transition goes through ``_transition``. What outlives a state (the position reached, the live worker
+    group and its mode, the failures seen) is on the driver; the run's history is on ``record``."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        group_factory: GroupFactory,
+        policy: FailurePolicy | None = None,
+        out: TextIO | None = None,
+        poll_s: float = 1.0,
+        takeover: bool = False,
+        lease: Lease | None = None,
+        started_at: float | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.takeover = takeover
+        self.lease = lease
+        """The run's lease (``cluster.run.lease``): taken in ``run`` unless given, released when it ends."""
+        self.group_factory = group_factory
+        self.policy = policy or FailurePolicy(cfg.failures)
+        self.poll_s = poll_s
+        self.state: State = Starting()
+        self.storage = Storage(join(normalize_url(cfg.storage.url), cfg.name), cfg.storage.options)
+        self.run_url = self.storage.root
+        self.record = RunRecord(cfg, self.storage, out or sys.stdout)
+        self.record.t0 = started_at or time.time()  # the goodput ledger's start (``cluster.run.goodput``)
+        self.control = RunControl(self.storage, cfg.training.time_limit_s)
+        self.moves = MoveWatch(cfg, self.record)
+        self.quarantine = Quarantine(
+            self.storage, cfg.failures.quarantine_after, self.record.event, self._keep_off
+        )
+        """Nodes kept out of the run after repeated incidents (``cluster.run.quarantine``)."""
+        self.quarantine.room = self._room_without
+        self.attempt = 0
+        self.epoch = 0
+        self.global_step = 0
+        self.steps_per_epoch = 0
+        self.world_size = 0
+        self.group: WorkerGroup | None = None
+        self._placer: WorkerGroup | None = None
+        """The newest group made: asked whether a node can be spared (``_room_without``)."""
+        self.mode: Mode = None
+        self.failures: list[Failure] = []
+        self.stopped_early = False
+        self.skips: list[Window] = skip_windows(cfg.training.skip_steps)  # and checkpoints' and rollbacks'
+        self._rollback: Window | None = None  # the next start rolls back before it (after a NaN loss)
+        self._probe_token: str | None = None
+        self._streak = 0  # failures since the last completed epoch
+        self._spare_announced = False  # the current group's hot spare was reported ready
+        self._seen_step = 0  # the furthest step a heartbeat reported
+        self._hang_stats = HangStats(0)  # the group's step statistics the automatic hang timeout uses
+
+    @property
+    def events(self) -> Any:
+        return self.record.events
+
+    @property
+    def out(self) -> TextIO:
+        """Where console lines go (the record's)."""
+        return self.record.out
+
+    @out.setter
+    def out(self, out: TextIO) -> None:
+        self.record.out = out
+
+    @property
+    def stopping(self) -> bool:
+        """A stop was asked for (a second signal then stops at once)."""
+        return self.control.stop is not None
+
+    def request_stop(self, reason: str) -> None:
+        """Stop at the next step boundary, every rank at the same one, with a checkpoint there; the run ends
+        with status ``stopped`` and a resubmission resumes from that checkpoint exactly. Only sets a field:
+        safe to call from a signal handler (the loop acts on it at its next heartbeat) or another thread."""
+        self.control.request_stop(reason)
+
+    def run(self) -> Result:
+        lease = self.lease = self.lease or Lease.take_for(self.cfg, self.takeover, self.record.print)
+        lease.start()
+        try:
+            return self._run(lease)
+        finally:
+            lease.release()
+
+    def _run(self, lease: Lease) -> Result:
+        """Everything the run writes is fenced by ``lease``: once another job took the run over, the next
+        trusted write raises FencedError and the run ends without writing more."""
+        self.record.events.fence = lease.check
+        self.quarantine.fence = lease.check
+        self._prepare_storage()
+        self.quarantine.load()  # an earlier submission's quarantined nodes stay out
+        self.record.event(
+            "run_start",
+            attempt=self.attempt,
+            config=self.cfg.to_dict(),
+            lease=lease.generation,
+            took_over=lease.took_over.describe() if lease.took_over is not None else None,
+        )
+        beat = DriverBeat(self.control.storage, self._beat_fields, fence=lease.check)  # `list`/`show`
+        beat.start()
+        try:
+            self._transition(self._initial_state())
+            while not self.state.is_terminal:
+                self._transition(self._guarded_step(self.state))
+        finally:
+            if self.group is not None:
+                try:
+                    self.group.shutdown(graceful=isinstance(self.state, Finished | Stopped))
+                except Exception as exc:  # the run's outcome stands; its workers go with the job
+                    logger.warning("shutting the workers down failed: %s: %s", type(exc).__name__, exc)
+                self.group = None
+            self.record.close_tracking(self.state.name, isinstance(self.state, Finished))
+            beat.stop()
+        result = result_of(self)
+        if isinstance(self.state, Failed):
+            raise self.state.error
+        return result
+
+    def _beat_fields(self) -> dict[str, Any]:
+        """What ``driver.json`` says besides the driver's host and pid (read on the beat's thread)."""
+        return {
+            "state": self.state.name,
+            "global_step": max(self.global_step, self._seen_step),
+            "attempt": self.attempt,
+        }
+
+    def _transition(self, new: State) -> None:
+        """The only place the state changes."""
+        logger.debug("state %s -> %s (%s)", self.state.name, new.name, new.describe())
+        self.state = new
+
+    def _guarded_step(self, state: State) -> State:
+        """``_step``, where an error no state handles (an actor's error or time-out while finishing,
+        resizing, moving or stopping; storage failing past its retries) ends the run as failed with its real
+        cause and a ``run_failed`` event, never a bare traceback with the run left looking interrupted. The
+        errors meant for the user (a config the workers refuse) keep their type; a job that was taken over
+        writes nothing more."""
+        try:
+            return self._step(state)
+        except FencedError:
+            raise
+        except (ConfigError, StorageError) as exc:
+            self._record_failed(exc)
+            raise
+        except Exception as exc:
+            logger.exception("the run fails while %s", state.describe())
+            return self._fail(
+                TrainingFailedError(
+                    f"{type(exc).__name__} while {state.describe()}: {exc}. {resume_advice(self.storage)}"
+                )
+            )
+
+    def _record_failed(self, exc: BaseException) -> None:
+        try:
+            self.record.run_failed(exc)
+        except StorageError as err:  # the error itself is what the user must see
+            logger.warning("could not record the run's failure: %s", err)
+
+    def _step(self, state: State) -> State:
+        if isinstance(state, Starting):
+            return self._start(state)
+        if isinstance(state, Running):
+            return self._run_epoch(state)
+        if isinstance(state, Recovering):
+            return self._recover(state)
+        if isinstance(state, Resizing):
+            return self._resize(state)
+        if isinstance(state, Moving):
+            return self._moved(state)
+        if isinstance(state, Finishing):
+            return self._finish(state)
+        raise AssertionError(f"no step for state {state!r}")
+
+    def _prepare_storage(self) -> None:
+        self.control.clear_stale(self.storage)
+        self.record.open()
+
+    def _initial_state(self) -> State:
+        """Decided once, before any worker starts: a run whose newest verified checkpoint covers every epoch
+        is already complete. The workers resume from that same checkpoint, so they never disagree."""
+        store = CheckpointStore(self.storage)
+        epochs, patience = self.cfg.training.epochs, self.cfg.evaluation.patience
+        for info in reversed(store.list()):
+            if info.epoch < epochs and not ended_early(info, patience):
+                return Starting()  # the newest usable checkpoint (this or an older one) leaves work to do
+            try:
+                store.read_verified(info)
+            except CheckpointError as exc:  # (a read that fails past its retries is raised: not "absent")
+                logger.warning(
+                    "final checkpoint at step %d does not verify, looking further back: %s", info.step, exc
+                )
+                continue
+            self.global_step, self.epoch = info.step, info.epoch
+            self.stopped_early = info.epoch < epochs  # ended by early stopping
+            self.record.already_complete(self.global_step, self.stopped_early)
+            return Finished()
+        return Starting()
+
+    # ------------------------------------------------------------------ starting
+    def _start(self, s: Starting) -> State:
+        cfg = self.cfg
+        target, minimum = cfg.scaling.num_workers, cfg.effective_min_workers
+        t0 = time.time()
+        group = self.group = self._new_group(s)
+        self.record.ledger.reserving(t0)
+        try:
+            # A stop asked while Ray has no room ends the run here; one asked when the group can start (a
+            # backoff's, a signal at start-up) is acted on at its first step, with a checkpoint there.
+            n = group.reserve(
+                list(range(target, minimum - 1, -1)), cfg.scaling.resource_wait_s, self._stop_asked
+            )
+        except ResourcesUnavailableError as exc:
+            self.record.event("failed", reason=str(exc))
+            return self._fail(exc)
+        except StartCancelled as exc:
+            return self._stop_unstarted(str(exc), s.salvage)
+        t_reserved = time.time()
+        self.record.ledger.reserved(t_reserved)
+        if n < target and s.move is None:  # a shrink for a drain is recorded with its own reason
+            self.record.shrunk(self.world_size or target, n)
+            if self.quarantine.nodes:
+                self.record.print(f"[{cfg.name}] smaller: {self.quarantine.wait_note()}")
+        infos = self._set_up(group, n, s)
+        if isinstance(infos, Failure):
+            return self._on_failure(infos)
+        return self._started(s, infos, time.time() - t0, t_reserved)
+
+    def _new_group(self, s: Starting) -> WorkerGroup:
+        """The next gang (adopting what a failed or moved one kept), its workers told the storage probe's
+        token (``Worker.setup`` checks it sees the driver's storage: storage visible only here fails at
+        once; one token per driver) and the lease's generation (rank 0's commits check no newer one took
+        the run over)."""
+        cfg = self.cfg
+        if self._probe_token is None:
+            self._probe_token = write_probe(self.storage)
+        env = {**cfg.scaling.env, PROBE_ENV: self._probe_token}
+        if self.lease is not None:
+            env[GENERATION_ENV] = str(self.lease.generation)
+        group_cfg = dataclasses.replace(cfg, scaling=dataclasses.replace(cfg.scaling, env=env))
+        group = self._placer = self.group_factory(group_cfg, self.run_url, self.attempt)
+        if self.quarantine.nodes:
+            group.keep_off(self.quarantine.nodes)
+        if s.salvage is not None:
+            group.adopt(s.salvage)
+        return group
+
+    def _set_up(self, group: WorkerGroup, n: int, s: Starting) -> list[SetupInfo] | Failure:
+        """Start and set up ``n`` ranks; a Failure of this attempt when that fails in a way a retry can
+        help. What a retry cannot help is raised for the user (module doc of ``cluster.api.train``)."""
+        try:
+            return group.start(n, s.peers, self.skips, self._rollback)
+        except CheckpointUnreadableError as exc:
+            # storage failed past its retries while a rank read the checkpoint (or it holds a state the
+            # safe loader refuses): a failure of this attempt, retried by the policy; never a fresh start
+            cause = getattr(exc, "cause", None) or exc
+            return Failure("storage", None, f"{type(cause).__name__}: {cause}")
+        except (ConfigError, StorageError) as exc:
+            # e.g. workers import other code than the driver, or cannot see its storage (after the retry
+            # budget): retrying cannot help. Raised in a worker, Ray wraps it with its traceback: the
+            # user gets the error itself.
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, ConfigError | StorageError):
+                raise cause from None
+            raise
+        except Exception as exc:
+            return group.classify(exc, starting=True)
+
+    def _started(self, s: Starting, infos: list[SetupInfo], seconds: float, t_reserved: float) -> State:
+        """The group is set up: take its position, record it, and train from where it resumed."""
+        t_ready = time.time()
+        head, r = infos[0], infos[0].resume
+        self.world_size, self.steps_per_epoch = len(infos), head.steps_per_epoch
+        self.epoch, self.global_step = r.epoch, r.global_step
+        self.skips = merge_windows([*self.skips, *r.skipped_steps])  # a checkpoint's (an earlier driver's)
+        self.record.ledger.skips = list(self.skips)  # steps that train no batch are neither kept nor redone
+        self.record.skipped_checkpoints(head)
+        if r.rollback is not None:
+            self.record.rollback(r.rollback, r.global_step)
+        self._rollback = None
+        assert self.group is not None
+        self.record.group_started(self.attempt, infos, seconds, self.group.spare_note, self.steps_per_epoch)
+        self.record.started()
+        self._spare_announced = False
+        self.moves.new_group(infos)
+        c = self.cfg.checkpoint
+        warmup = self.cfg.failures.hang_warmup_steps
+        self._hang_stats = HangStats(r.global_step, warmup, c.every_steps > 0 or c.every_epochs > 0)
+        self.record.eval_total = head.eval_batches
+        if s.recovery is not None:
+            s.recovery.group_started(t_reserved, t_ready, infos, r.global_step)
+        if s.move is not None:
+            self.record.moved(s.move, infos, t_ready)
+        return Running(r.epoch, r.step_in_epoch, recovery=s.recovery)
+
+    # ------------------------------------------------------------------ training
+    def _run_epoch(self, s: Running) -> State:
+        assert self.group is not None
+        group = self.group
+        if s.dispatched_at is None:
+            missing = self.record.eval_missing(
+                s.epoch * self.steps_per_epoch + s.start_step, self.steps_per_epoch
+            )
+            group.run_epoch(s.epoch, s.start_step, evaluate_first=missing, seq=self.record.events.count)
+        t_epoch = s.dispatched_at or time.time()
+        watch = HangWatch(self.cfg.failures, self.global_step, self._hang_stats)
+        while True:
+            try:
+                self._watch_control()  # here, not only between heartbeats: epochs may be shorter than those
+                moving = isinstance(self.mode, Move)
+                results = group.poll(self._heartbeat_every(watch) if not moving else 0.25)
+                if results is None:
+                    self._watch_moves(running=True)
+            except Exception as exc:
+                self._drop_mode()  # a failure during a move: the next group acts on the notice again
+                failure = group.classify(exc)
+                watch.update(self._beats(timeout=0.5))  # survivors know how far training got
+                return self._on_failure(failure, watch.max_step)
+            if results is not None:
+                wall_s = time.time() - t_epoch
+                if results[0].early_stopped or self.mode is not None:
+                    return self._halted(s, results[0], wall_s)
+                self._watch_moves(running=False)  # epochs shorter than the heartbeat interval
+                return self._epoch_done(s, results[0], wall_s)
+            if self.lease is not None and self.lease.fenced_by is not None:
+                self.lease.check()  # taken over: raises FencedError, the run ends without writing more
+            hung = self._heartbeat(watch)
+            if hung is not None:
+                self.mode = None
+                # before the group is killed; they tell the hung rank from the ranks waiting for it
+                stacks = self._dump_stacks(f"hang: {hung[1]}", "hang", watch.max_step)
+                failure = hang_failure(hung, stacks, watch.steps(), self.cfg.failures.warm_restart)
+                return self._on_failure(failure, watch.max_step)
+
+    def _heartbeat(self, watch: HangWatch) -> tuple[int, str] | None:
+        """One heartbeat round while an epoch runs: rows, the hang watch, pace, the spare, the live bar."""
+        beats = self._beats()
+        hung = watch.update(beats)
+        self._seen_step = watch.max_step
+        may_move = self.mode is None and not self.stopping
+        self._apply(self.moves.pace(beats, watch.max_step, self.attempt, may_move, self.world_size))
+        self._announce_spare()
+        self.record.live(beats, watch.max_step)
+        return hung
+
+    def _epoch_done(self, s: Running, head: EpochResult, wall_s: float) -> State:
+        """Record the epoch; return what comes next. A next epoch is dispatched before the recording, so the
+        workers train while this epoch's metrics, events and progress line are written."""
+        assert self.group is not None
+        self._hang_stats.rows(head.step_rows)  # the epoch's end checkpoint's stall
+        next_state = self._after_epoch(head)
+        if isinstance(next_state, Running) and not self._commits_would_fail(head):
+            self.group.run_epoch(next_state.epoch, next_state.start_step, seq=self.record.events.count)
+        self._record_epoch(head, wall_s, s.recovery)
+        return self._commits_failing() or next_state
+
+    def _commits_would_fail(self, head: EpochResult) -> bool:
+        """Whether this epoch's commits bring the failures in a row to ``checkpoint.max_failed_commits``
+        (the next epoch is then not dispatched)."""
+        streak = self.record.failed_in_a_row
+        for c in head.commits:
+            streak = streak + 1 if c.error else 0
+        return streak >= self.cfg.checkpoint.max_failed_commits
+
+    def _after_epoch(self, head: EpochResult) -> State:
+        cfg = self.cfg
+        next_epoch = head.epoch + 1
+        if next_epoch >= cfg.training.epochs:
+            return Finishing(loss=head.loss)
+        missing = cfg.scaling.num_workers - self.world_size
+        if missing > 0 and self.group is not None and self.moves.room_for(self.group, missing):
+            return Resizing(new_size=cfg.scaling.num_workers)
+        return Running(next_epoch, 0, dispatched_at=time.time())
+
+    def _record_epoch(self, head: EpochResult, wall_s: float, recovery: RecoveryTiming | None) -> None:
+        self.global_step = head.global_step
+        self._announce_spare()
+        self.record.epoch(head, wall_s, self.world_size, self.attempt, self.steps_per_epoch)
+        if recovery is not None and head.first_step_at is not None:
+            self.record.recovered(recovery, head.first_step_at)
+        self.epoch = head.epoch + 1
+        self._streak = 0
+
+    def _record_stretch(
+        self, head: EpochResult, wall_s: float, recovery: RecoveryTiming | None, whole: bool
+    ) -> State | None:
+        """What a halted group trained: its whole epoch (``whole``; returns the state an epoch's end leads
+        to) or the stopped stretch of one (returns None)."""
+        if whole:
+            next_state = self._after_epoch(head)
+            self._record_epoch(head, wall_s, recovery)
+            return next_state
+        self.record.partial(head, self.attempt)
+        if recovery is not None and head.first_step_at is not None:
+            self.record.recovered(recovery, head.first_step_at)
+        self.global_step = head.global_step
+        return None
+
+    # ------------------------------------------------------------------ a group halted at a step
+    def _halted(self, s: Running, head: EpochResult, wall_s: float) -> State:
+        """The group's epoch ended while it had a mode, or early stopping ended the run: record what it
+        trained and act on the mode (a stop, a grow, a move) or the early stop."""
+        mode, self.mode = self.mode, None
+        if head.early_stopped:
+            if isinstance(mode, Move) and self.group is not None:
+                self.group.cancel_move()  # the run ends here: nothing left to move
+            if self.steps_per_epoch and head.global_step % self.steps_per_epoch == 0:
+                self._record_epoch(head, wall_s, s.recovery)  # the evaluation ended a whole epoch
+            else:
+                self._record_stretch(head, wall_s, s.recovery, whole=False)
+            self.stopped_early = True
+            self.record.early_stopped(head)
+            return Finishing(loss=head.loss)
+        if isinstance(mode, Move) and not mode.stopping:  # the move was still being prepared
+            self.mode = mode
+            return self._epoch_done(s, head, wall_s)
+        if isinstance(mode, Move):
+            return Moving(mode, [head], s.start_step, wall_s, s.recovery)
+        next_state = self._record_stretch(head, wall_s, s.recovery, whole=not head.stopped)
+        if isinstance(mode, Grow):
+            return next_state if isinstance(next_state, Finishing) else Resizing(self.cfg.scaling.num_workers)
+        if isinstance(next_state, Finishing):
+            return next_state  # that was the last epoch: the run is done, not stopped
+        assert self.group is not None
+        self.record.ledger.enter("checkpoint_stall")
+        commits = self.group.finish()  # the stop's checkpoint is committed before the workers go
+        self.record.commits(commits)
+        committed = any(c.step == head.global_step and not c.error for c in [*head.commits, *commits])
+        return self._end_stopped(committed)
+
+    def _finish(self, s: Finishing) -> State:
+        assert self.group is not None
+        self.record.ledger.enter("checkpoint_stall")  # the final checkpoint's flush
+        self.record.commits(self.group.finish())
+        if self.record.committed.get(self.global_step) is False:  # the final checkpoint did not commit
+            infos = CheckpointStore(self.storage).list()
+            last = f"step {infos[-1].step} ({infos[-1].url})" if infos else "none"
+            return self._fail(
+                TrainingFailedError(
+                    f"the final checkpoint at step {self.global_step} failed to commit, also when written "
+                    f"again ({self.record.last_commit_error or 'no record of it'}). The last good "
+                    f"checkpoint: {last}; fix the storage, then rerun the same job to train the steps after "
+                    "it"
+                )
+            )
+        self.record.finished(self.global_step, s.loss, self.attempt + 1)
+        return Finished()
+
+    def _commits_failing(self) -> Failed | None:
+        """``checkpoint.max_failed_commits`` commits in a row failed: the run stops rather than train on
+        with nothing durable."""
+        limit = self.cfg.checkpoint.max_failed_commits
+        if self.record.failed_in_a_row < limit:
+            return None
+        infos = CheckpointStore(self.storage).list()
+        last = f"step {infos[-1].step}" if infos else "none"
+        return self._fail(
+            TrainingFailedError(
+                f"checkpoint.max_failed_commits={limit}: {self.record.failed_in_a_row} checkpoints in a "
+                f"row failed to commit (the last: {self.record.last_commit_error}); nothing durable since "
+                f"the last good checkpoint ({last}). Fix the storage, then rerun the same job to resume from "
+                "it"
+            )
+        )
+
+    def _resize(self, s: Resizing) -> State:
+        """Grow back at an epoch boundary: the epoch-end checkpoint is flushed, then a new gang starts."""
+        assert self.group is not None
+        self.record.ledger.enter("starting")  # a grow: the new gang starts (and may wait for room)
+        self.record.commits(self.group.finish())
+        self.record.grown(self.world_size, s.new_size, self.global_step)
+        self.group.shutdown(graceful=True)
+        self.group = None
+        self.attempt += 1
+        return Starting()
+
+    # ------------------------------------------------------------------ moves (drains, slow ranks, growing)
+    def _watch_moves(self, running: bool) -> None:
+        """Drain notices and a move in progress; while an epoch runs, room to grow back."""
+        if self.group is None or self.stopping:
+            return  # (a stop asked for checkpoints every rank's state anyway)
+        self._apply(self.moves.drains(self.group, self.mode, running, self.world_size, self.global_step))
+        if running and self.mode is None:
+            self._apply(self.moves.grow(self.group, self.world_size))
+
+    def _apply(self, d: Decision | None) -> None:
+        """Carry out a decision of the move watch on the group."""
+        if d is None or self.group is None:
+            return
+        if isinstance(d, Prepare):
+            if d.move.slow:  # an incident of the node the slow rank leaves
+                step = self._step_seen()
+                nodes, hosts = self.moves.rank_nodes, self.moves.rank_hosts
+                self.quarantine.ranks("slow_rank_move", d.move.ranks, step, nodes, hosts)
+            if d.place:
+                if d.avoid is None:
+                    self.group.prepare_move(d.move.ranks)
+                else:
+                    self.group.prepare_move(d.move.ranks, avoid=d.avoid)
+                d.move.prepared = True
+            self.mode = d.move
+        elif isinstance(d, StopFor):
+            self._stop_for(d.move)
+        elif isinstance(d, Cancel):
+            self.group.cancel_move()
+            if d.stop:
+                self._stop_for(d.move)
+            else:
+                self.mode = None
+        elif isinstance(d, GrowNow):
+            self.mode = Grow(self.group.stop(checkpoint=True))
+
+    def _stop_for(self, m: Move) -> None:
+        """Stop the group at a step boundary; with a checkpoint unless the replacements take the state
+        from a healthy rank."""
+        assert self.group is not None
+        m.stop_requested_at = time.time()
+        m.stop_step = self.group.stop(checkpoint=not m.replaced or m.via == "checkpoint")
+
+    def _drop_mode(self) -> None:
+        if isinstance(self.mode, Move):
+            self.moves.forget(self.mode)
+        self.mode = None
+
+    def _moved(self, s: Moving) -> State:
+        """The group stopped for a move: record the steps trained, then start again without the draining
+        ranks (replacements, or fewer ranks), or go on with the same ranks when neither is possible."""
+        assert self.group is not None
+        m, group, head = s.move, self.group, s.results[0]
+        commits = group.finish()  # the checkpoint the stop asked for is committed before anything goes
+        next_state = self._record_stretch(head, s.wall_s, s.recovery, whole=not head.stopped)
+        self.record.ledger.enter("moves")
+        if isinstance(next_state, Finishing | Resizing):
+            self.record.commits(commits)
+            return next_state
+        epoch, start = (head.epoch + 1, 0) if not head.stopped else (head.epoch, s.start_step + head.steps)
+        self.record.commits(commits)
+        committed = any(c.step == head.global_step and not c.error for c in [*head.commits, *commits])
+        if not m.replaced:
+            self.record.preemption_checkpoint(m, head.global_step, committed)
+            survivors = self.world_size - len(m.ranks)
+            if survivors < max(1, self.cfg.effective_min_workers):
+                self.record.print(
+                    f"[{self.cfg.name}] continuing on all {self.world_size} ranks until the node goes "
+                    f"(scaling.min_workers={self.cfg.effective_min_workers} rules out {survivors})"
+                )
+                return Running(epoch, start)
+        keep = m.replaced and m.via == "peers"
+        salvage = group.salvage(None, self.attempt + 1, leaving=m.ranks, keep_state=keep)
+        self.group = None
+        plan = None
+        if salvage is not None and salvage.peers is not None:
+            chosen = plan_recovery(salvage.peers)
+            plan = chosen if isinstance(chosen, PeerPlan) else None
+            if plan is None:
+                m.reason = f"the ranks' states disagree ({chosen}): from the checkpoint instead"
+        if salvage is None:
+            group.shutdown(graceful=False)
+        self.attempt += 1
+        return Starting(salvage=salvage, peers=plan, move=m)
+
+    # ------------------------------------------------------------------ requests (stop, stacks, profiles)
+    def _watch_control(self) -> None:
+        """While an epoch runs: answer stacks and profile requests, and act on a stop asked for: every rank
+        stops at the same step boundary with a checkpoint there (``WorkerGroup.stop``). A grow already
+        stopping the group with a checkpoint serves as the stop; a move that is stopping it is let finish
+        (the stop is acted on once the moved group trains), one still preparing is dropped."""
+        assert self.group is not None
+        for path, asked in self.control.watch():
+            if path == STACKS_FILE:
+                by = asked.get("by", "python -m cluster stacks")
+                self._dump_stacks(f"asked for by {by}", "request", self._step_seen(), asked.get("id"))
+            elif path == PROFILE_FILE:
+                step = self._step_seen()
+                start_profile(self.group, self.record, asked, self.world_size, step, self.attempt)
+        req = self.control.stop
+        if req is None or isinstance(self.mode, Stop):
+            return
+        if isinstance(self.mode, Move):
+            if self.mode.stopping:
+                return
+            self.group.cancel_move()
+            self._drop_mode()
+        step = self.mode.step if isinstance(self.mode, Grow) else self.group.stop(checkpoint=True)
+        self.mode = Stop(step)
+        self.record.stop_requested(req.reason, step, grace_note(req.reason))
+
+    def _stop_asked(self) -> bool:
+        return self.control.stop_asked()
+
+    def _step_seen(self) -> int:
+        return max(self.global_step, self._seen_step)
+
+    def _dump_stacks(
+        self, reason: str, kind: str, step: int | None, request: str | None = None
+    ) -> dict[int, Any] | None:
+        """``dump_stacks``; the stacks taken (rank -> threads, None: no answer), or None."""
+        if self.group is None:
+            return None
+        return dump_stacks(
+            self.group, self.record, reason, kind, step, self.attempt, self.moves.rank_hosts, request
+        )
+
+    def _stop_unstarted(self, why: str, salvage: Salvage | None) -> Stopped:
+        """A stop asked before the group trained: nothing to checkpoint but what survivors of a failure hold
+        in memory, which is lost (said, with the steps)."""
+        if self.group is not None:
+            self.group.shutdown(graceful=False)  # the adopted survivors too
+            self.group = None
+        held = max((p.global_step for p in (salvage.peers or {}).values()), default=0) if salvage else 0
+        infos = CheckpointStore(self.storage).list()
+        newest = infos[-1].step if infos else 0
+        lost = (
+            f"; the survivors of the failure held step {held}, which is lost (steps {newest + 1}-{held})"
+            if held > newest
+            else ": nothing trained since the newest checkpoint"
+        )
+        return self._end_stopped(False, f"{why}{lost}")
+
+    def _end_stopped(self, committed: bool, note: str | None = None) -> Stopped:
+        req = self.control.stop
+        assert req is not None
+        self.record.stopped(req.reason, req.requested_at, self.global_step, committed, note)
+        self.control.clear_stop(self.storage)
+        return Stopped()
+
+    # ------------------------------------------------------------------ failures
+    def _on_failure(self, failure: Failure, seen_step: int | None = None) -> Recovering:
+        self.failures.append(failure)
+        self._streak += 1
+        self.record.failure(failure, self.attempt, seen_step)
+        if isinstance(self.state, Running):  # the ranks' nodes are known once a group is set up
+            step = seen_step or self.global_step
+            self.quarantine.failure(failure, step, self.moves.rank_nodes, self.moves.rank_hosts)
+        timing = RecoveryTiming(failure.kind, time.time(), seen_step or self.global_step)
+        return Recovering(failure, timing)
+
+    def _recover(self, s: Recovering) -> State:
+        failure, timing = s.failure, s.recovery
+        if self.stopping:  # asked to stop: no restart, whatever the failure
+            self.mode = None
+            if self.group is not None:
+                self.group.shutdown(graceful=False)
+                self.group = None
+            self.record.flush_rows([], self.epoch, self.attempt)  # the heartbeats' rows: nothing is lost
+            return self._end_stopped(False, f"a failure during the stop: {failure.kind}, rank {failure.rank}")
+        decision = self.policy.decide(failure, self.failures, self._streak)
+        salvage: Salvage | None = None
+        if self.group is not None:
+            # Survivors leave the failed collective (bounded wait) and are kept for a warm restart, with
+            # their state when recovering from peers; the dead, the hung and the stuck are killed.
+            salvage = self.group.salvage(failure, self.attempt + 1) if decision.restart else None
+            if salvage is None:
+                self.group.shutdown(graceful=False)
+            timing.reused_workers = salvage.count if salvage is not None else 0
+            timing.spare = salvage.spare if salvage is not None else None
+            self.group = None
+        timing.t_teardown = time.time()
+        self.record.flush_rows(salvage.rows if salvage is not None else [], self.epoch, self.attempt)
+        if failure.kind == "replica_mismatch":  # no checkpoint after the last agreeing check is used again
+            fence = self.lease.check if self.lease is not None else None
+            hosts, nodes = self.moves.rank_hosts, self.moves.rank_nodes
+            after_mismatch(
+                failure, self.storage, fence, self.cfg, self.record.event, hosts, nodes, self.quarantine
+            )
+        plan = peer_plan(self.cfg, failure, salvage, timing) if decision.restart else None
+        window = rollback_window(self.cfg, failure) if decision.restart else None
+        if window is not None:
+            self._rollback = window
+            self.skips = merge_windows([*self.skips, window])
+        self.record.decision(decision, plan, timing.fallback, window)
+        if not decision.restart:
+            detail = failure.error.traceback if failure.error is not None else failure.message
+            return self._fail(
+                TrainingFailedError(
+                    f"{decision.reason}. {resume_advice(self.storage)}\nLast failure ({failure.kind}, rank "
+                    f"{failure.rank}):\n{detail}"
+                )
+            )
+        wake = time.monotonic() + decision.delay_s
+        while time.monotonic() < wake and not self._stop_asked():  # a stop cuts the wait short
+            time.sleep(min(0.5, max(0.0, wake - time.monotonic())))
+        self.attempt += 1
+        return Starting(recovery=timing, salvage=salvage, peers=plan)
+
+    def _room_without(self, node: str) -> bool:
+        """Whether the run fits without ``node`` and the nodes already out (``scaling.min_workers`` ranks),
+        asked of the current group, or of the last one while a failed group is torn down."""
+        group = self.group or self._placer
+        need = max(1, self.cfg.effective_min_workers)
+        return group is not None and group.room_without([*self.quarantine.nodes, node], need)
+
+    def _keep_off(self, nodes: list[str]) -> None:
+        """A node was quarantined: the current group places nothing more there (``WorkerGroup.keep_off``)."""
+        if self.group is not None:
+            self.group.keep_off(nodes)
+
+    def _fail(self, exc: BaseException) -> Failed:
+        self._record_failed(exc)
+        return Failed(exc)
+
+    # ------------------------------------------------------------------ helpers
+    def _beats(self, timeout: float = 2.0) -> list[Any]:
+        """One heartbeat round; keeps the step rows rank 0 streams with it."""
+        assert self.group is not None
+        beats = self.group.heartbeats(timeout=timeout)
+        self.record.beat_rows(beats, self.epoch, self.attempt)
+        return beats
+
+    def _announce_spare(self) -> None:
+        """One ``spare_ready`` event per group, once its hot spare is prepared: from then on a dead rank is
+        replaced without starting a process. Checked at each heartbeat and each epoch end."""
+        if self._spare_announced or self.group is None:
+            return
+        prepare_s = self.group.spare_ready()
+        if prepare_s is not None:
+            self._spare_announced = True
+            self.record.spare_ready(self.attempt, prepare_s)
+
+    def _heartbeat_every(self, watch: HangWatch) -> float:
+        """Seconds between heartbeats: ``poll_s`` for a terminal's live bar, else a twentieth of the hang
+        timeout within [poll_s, 5 * poll_s]. A death is seen at once either way (the epoch's result fails)."""
+        assert self.record.display is not None
+        if self.record.display.tty:
+            return self.poll_s
+        return min(max(self.poll_s, watch.timeout() / 20), 5 * self.poll_s)
