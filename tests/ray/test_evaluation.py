@@ -177,7 +177,9 @@ def test_the_best_evaluation_s_checkpoint_outlives_keep_last_and_loads_as_best(
     assert [c.step for c in CheckpointStore(Storage(result.run_url)).list()] == [step, 3 * STEPS]
 
 
-def test_a_best_metric_the_evaluation_lacks_fails_once_with_the_names_it_has(tmp_path: object) -> None:
+def test_a_best_metric_the_evaluation_lacks_fails_once_with_the_names_it_has(
+    ray_local: None, tmp_path: object
+) -> None:
     cfg = config(f"{tmp_path}/runs", "nope", *EVAL, "checkpoint.best_metric=accuracy")
     with pytest.raises(TrainingFailedError) as err:
         train(cfg, out=io.StringIO())
@@ -190,7 +192,9 @@ def test_a_best_metric_the_evaluation_lacks_fails_once_with_the_names_it_has(tmp
     assert len(events(f"{tmp_path}/runs/nope", "group_started")) == 1  # not retried
 
 
-def test_a_best_metric_without_an_eval_set_is_a_config_error_before_training(tmp_path: object) -> None:
+def test_a_best_metric_without_an_eval_set_is_a_config_error_before_training(
+    ray_local: None, tmp_path: object
+) -> None:
     cfg = config(f"{tmp_path}/runs", "noeval", "checkpoint.best_metric=loss")
     with pytest.raises(
         ConfigError, match=r"checkpoint.best_metric='loss' needs an eval set, but .*returned None"
