@@ -209,6 +209,24 @@ class RunControl:
             logger.warning("could not remove the stop request file: %s", exc)
 
 
+def answer_requests(
+    control: RunControl,
+    group: WorkerGroup,
+    record: RunRecord,
+    world_size: int,
+    step: int,
+    attempt: int,
+    hosts: list[str],
+) -> None:
+    """Answer the stacks and profile requests found while the ranks train (``RunControl.watch``)."""
+    for path, asked in control.watch():
+        if path == STACKS_FILE:
+            by = asked.get("by", "python -m cluster stacks")
+            dump_stacks(group, record, f"asked for by {by}", "request", step, attempt, hosts, asked.get("id"))
+        elif path == PROFILE_FILE:
+            start_profile(group, record, asked, world_size, step, attempt)
+
+
 def dump_stacks(
     group: WorkerGroup,
     record: RunRecord,
