@@ -23,11 +23,10 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from cluster.api import local_ray
 from cluster.core.errors import ConfigError
-from cluster.core.urls import join, normalize_url
 from cluster.driver.result import Result
 from cluster.run.checkpoint import CheckpointStore
+from cluster.run.folder import RunFolder
 from cluster.run.lease import Lease
-from cluster.run.storage import Storage
 from cluster.seam.protocol import WorkerGroup
 from cluster.spec.config import JobConfig, resolve_notify_url
 from cluster.spec.task import Task, task_path
@@ -138,9 +137,10 @@ def check_embedded_fits(cfg: JobConfig) -> None:
         )
 
 
-def preflight(cfg: JobConfig, task: type[Task] | None = None) -> None:
+def preflight(cfg: JobConfig, task: type[Task] | None = None, folder: RunFolder | None = None) -> None:
     """Checks that need no Ray and write nothing, run before Ray starts: the task imports (unless given as
-    a class), and the storage is one that the workers (other processes, often other machines) can see."""
+    a class), and the storage is one that the workers (other processes, often other machines) can see.
+    ``folder``: the run's, when the caller made it already."""
     from cluster.spec.task import load_task_class
 
     if task is None:
@@ -149,7 +149,7 @@ def preflight(cfg: JobConfig, task: type[Task] | None = None) -> None:
     if cfg.training.init_from is not None:
         from cluster.run.restore import check_init_from
 
-        run = Storage(join(normalize_url(cfg.storage.url), cfg.name), cfg.storage.options)
+        run = (folder or RunFolder.of(cfg)).storage
         if not CheckpointStore(run).list():  # a run that resumes from its own checkpoint ignores init_from
             check_init_from(cfg.training.init_from, cfg.training.init_from_step, cfg.storage.options)
     check_embedded_fits(cfg)
@@ -185,16 +185,18 @@ def train(
     asked_at = time.time()  # the goodput ledger's start: Ray's start counts as the run's
     if task is not None:
         cfg = dataclasses.replace(cfg, task=task_path(task))
-    preflight(cfg, task)
+    folder = RunFolder.of(cfg)  # the run's storage, made once and handed to the lease and the driver
+    preflight(cfg, task, folder)
     started = False
     try:
         started = ensure_ray(cfg)
         check_cluster(cfg)  # refusals write nothing: the lease is taken after them
-        lease = lease or Lease.take_for(cfg, takeover, None if out is None else lambda t: print(t, file=out))
+        say = None if out is None else lambda t: print(t, file=out)
+        lease = lease or Lease.take_for(cfg, takeover, say, folder)
         factory = (
             functools.partial(ray_group_factory, task_cls=task) if task is not None else ray_group_factory
         )
-        driver = Driver(cfg, group_factory=factory, out=out, lease=lease, started_at=asked_at)
+        driver = Driver(cfg, group_factory=factory, out=out, lease=lease, started_at=asked_at, folder=folder)
         with stop_on_signals(driver):
             return driver.run()
     finally:

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from cluster.core.errors import StorageError
+from cluster.run.folder import RunFolder
 from cluster.run.requests import (
     DRIVER_BEAT_S,
     DRIVER_FILE,
@@ -125,7 +126,7 @@ class RunControl:
     stop file is read without retries, so a storage outage never stalls the loop that watches the ranks."""
 
     def __init__(self, run: Storage, time_limit_s: float | None) -> None:
-        self.storage = Storage(run.root, run.options, retries=0, retry_budget_s=0.0)
+        self.storage = RunFolder(run).unretried()
         self.time_limit_s = time_limit_s
         self.started_at = time.time()
         self.stop: StopRequest | None = None

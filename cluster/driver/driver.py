@@ -42,7 +42,6 @@ from cluster.core.errors import (
     StorageError,
     TrainingFailedError,
 )
-from cluster.core.urls import join, normalize_url
 from cluster.driver.control import DriverBeat, RunControl, dump_stacks
 from cluster.driver.hang import hang_failure
 from cluster.driver.modes import GroupModes
@@ -77,9 +76,10 @@ from cluster.driver.states import (
 )
 from cluster.inspect.runs import resume_advice
 from cluster.run.checkpoint import CheckpointStore
+from cluster.run.folder import RunFolder
 from cluster.run.lease import FencedError, Lease
 from cluster.run.quarantine import Quarantine
-from cluster.run.storage import Storage, write_probe
+from cluster.run.storage import write_probe
 from cluster.seam.preemption import Move
 from cluster.seam.protocol import EpochResult, GroupFactory, Salvage, SetupInfo, StartCancelled, WorkerGroup
 from cluster.spec.config import JobConfig
@@ -105,6 +105,7 @@ class Driver(GroupModes):
         takeover: bool = False,
         lease: Lease | None = None,
         started_at: float | None = None,
+        folder: RunFolder | None = None,
     ) -> None:
         self.cfg = cfg
         self.takeover = takeover
@@ -114,8 +115,10 @@ class Driver(GroupModes):
         self.policy = policy or FailurePolicy(cfg.failures)
         self.poll_s = poll_s
         self.state: State = Starting()
-        self.storage = Storage(join(normalize_url(cfg.storage.url), cfg.name), cfg.storage.options)
-        self.run_url = self.storage.root
+        self.folder = folder or RunFolder.of(cfg)
+        """The run's folder (``cluster.run.folder``): its storage is the one every part of the driver uses."""
+        self.storage = self.folder.storage
+        self.run_url = self.folder.url
         self.record = RunRecord(cfg, self.storage, out or sys.stdout)
         self.record.t0 = started_at or time.time()  # the goodput ledger's start (``cluster.run.goodput``)
         self.control = RunControl(self.storage, cfg.training.time_limit_s)
@@ -158,7 +161,8 @@ class Driver(GroupModes):
         self.record.out = out
 
     def run(self) -> Result:
-        lease = self.lease = self.lease or Lease.take_for(self.cfg, self.takeover, self.record.print)
+        lease = self.lease or Lease.take_for(self.cfg, self.takeover, self.record.print, self.folder)
+        self.lease = lease
         lease.start()
         try:
             return self._run(lease)

@@ -54,8 +54,9 @@ from cluster.rank.session import TrainSession, build_model, join_group, sampler_
 from cluster.rank.step import Divergence, peak_memory_gib, seed_step, step_seed, train_step
 from cluster.rank.train_state import RunPosition, capture, checkpoint_files
 from cluster.run.checkpoint import CommitRecord
+from cluster.run.folder import RunFolder
 from cluster.run.lease import GENERATION_ENV, Fence
-from cluster.run.storage import PROBE_ENV, Storage, check_probe
+from cluster.run.storage import PROBE_ENV, check_probe
 from cluster.seam.peers import PeerPlan, PeerState
 from cluster.seam.protocol import EpochResult, Heartbeat, SetupInfo
 from cluster.spec.config import JobConfig
@@ -148,6 +149,7 @@ class Worker:
         self.rank = rank
         self.world_size = world_size
         self.run_url = run_url
+        self.folder: RunFolder | None = None  # the run's, made at each ``setup`` (``cluster.run.folder``)
         self.attempt = attempt
         self.pos = RunPosition.start(cfg)  # the driver's skip windows join it at each setup
         self.session: TrainSession | None = None
@@ -296,8 +298,10 @@ class Worker:
         if peers is None and kept is not None:
             recovery.discard(kept)  # the driver chose the checkpoint: the survivor's state is not used
             kept = None
+        folder = self.folder = RunFolder.at(self.run_url, cfg.storage.options)
         if os.environ.get(PROBE_ENV):  # set by the driver: prove this node sees the driver's storage
-            check_probe(Storage(self.run_url, cfg.storage.options), os.environ[PROBE_ENV])
+            check_probe(folder.storage, os.environ[PROBE_ENV])
+        probe_reads = (folder.storage.reads, folder.storage.bytes_read)  # not the resume's
         device = cdist.pick_device(cfg.scaling.use_gpu, self.gpu_index)
         backend = join_group(self._store, host, port, self.rank, self.world_size, device, cfg, t)
         task = self.task  # a warm restart keeps it and its datasets
@@ -306,7 +310,7 @@ class Worker:
         self.inputs.open(device)  # loader processes start (once per process) while setup goes on
         t["task"] = time.time()
         sampler = sampler_for(self.dataset, self.rank, self.world_size, cfg)
-        store = self.faults.store(Storage(self.run_url, cfg.storage.options))
+        store = self.faults.store(folder.storage)
         if os.environ.get(GENERATION_ENV):  # set by the driver: its lease's generation (cluster.run.lease)
             store.fence = Fence(store.storage, int(os.environ[GENERATION_ENV])).check
         rank, size, pos, memory = self.rank, self.world_size, self.pos, self._memory
@@ -337,8 +341,8 @@ class Worker:
             timings=t,
             allocator=self.allocator,
             niceness=set_niceness(cfg.scaling.worker_niceness),  # again: the group made its threads
-            storage_reads=store.storage.reads,
-            storage_read_bytes=store.storage.bytes_read,
+            storage_reads=store.storage.reads - probe_reads[0],
+            storage_read_bytes=store.storage.bytes_read - probe_reads[1],
             eval_batches=eval_batch_count(self._evals.dataset, cfg),
         )
         self.session = TrainSession(
@@ -427,7 +431,8 @@ class Worker:
         if evaluate_first and self._evals.dataset is not None:
             self._evaluate(s)
             early = p.best.stop_due(p.global_step)
-            self._maybe_checkpoint(s, early)
+            if self._checkpoint_due(early):
+                self._checkpoint(s)
         stopped = False
         for local_idx in s.sampler if not early else ():
             if self._stop.due(dispatch, p.global_step, self.cfg.failures.process_group_timeout_s):
@@ -517,10 +522,6 @@ class Worker:
         step = self.pos.global_step
         return (due or self._evals.best_at == step) and self._last_checkpoint != step
 
-    def _maybe_checkpoint(self, s: TrainSession, due: bool) -> float:
-        """Checkpoint this step when :meth:`_checkpoint_due`; rank 0's stall in seconds."""
-        return self._checkpoint(s) if self._checkpoint_due(due) else 0.0
-
     def _journal(self, s: TrainSession, row: dict[str, Any]) -> None:
         """Keep rank 0's step row for the next commit, which writes the rows up to its step beside it
         (``CheckpointWriter.save``): a driver that dies before it writes them does not take them along."""
@@ -538,8 +539,9 @@ class Worker:
         at_end = not stopped and p.step_in_epoch == sched.steps_per_epoch
         if at_end and not early:
             early = self._maybe_evaluate(s)  # before the checkpoint of the same step
-        if asked or at_end:  # a stop's: a move without peers, a notice too short
-            self._maybe_checkpoint(s, asked or sched.checkpoint(p.global_step, epoch) or early)
+        due = asked or (at_end and sched.checkpoint(p.global_step, epoch)) or early  # asked: a stop's
+        if (asked or at_end) and self._checkpoint_due(due):  # (a move without peers, a notice too short)
+            self._checkpoint(s)
         mean_loss = cdist.mean_over_ranks(float(tally.loss_sum), float(tally.steps), s.device)
         self._divergence.agree(mean_loss)
         self._divergence.check(mean_loss, p.global_step, "the epoch's mean loss")  # every rank alike
@@ -653,8 +655,9 @@ class Worker:
     def profile(self, req_id: str, steps: int, folder: str) -> None:
         """Record the next ``steps`` training steps with ``torch.profiler`` into ``<run>/<folder>/``
         (``cluster.rank.profiling``); served by the actor's second thread, started by the training thread."""
-        if self._profiler is None:
-            self._profiler = StepProfiler(Storage(self.run_url, self.cfg.storage.options), self.rank)
+        if self._profiler is None:  # the setup's folder (a profile is asked for while an epoch trains)
+            run = self.folder or RunFolder.at(self.run_url, self.cfg.storage.options)
+            self._profiler = StepProfiler(run.storage, self.rank)
         self._profiler.request(ProfileRequest(req_id, steps, folder))
 
     def finish(self) -> list[CommitRecord]:
