@@ -17,6 +17,7 @@ import torch
 
 from cluster.core.errors import ConfigError, StorageError
 from cluster.core.redact import redact_tree, redact_url
+from cluster.run.folder import RunFolder
 from cluster.run.restore import load_checkpoint
 from cluster.run.storage import Storage
 
@@ -158,7 +159,7 @@ def _task_of(run_url: str, options: dict[str, Any] | None) -> dict[str, Any]:
     """The run's task and task_args from its run.json (what builds the model these weights fit), redacted
     again: a run.json of an earlier version may hold a secret-looking key's value."""
     try:
-        config = json.loads(Storage(run_url, options).read_bytes("run.json"))["config"]
+        config = json.loads(RunFolder.at(run_url, options).storage.read_bytes("run.json"))["config"]
     except (FileNotFoundError, KeyError, ValueError):
         return {"task": None, "task_args": None}
     return {"task": config.get("task"), "task_args": redact_tree(config.get("task_args"), known=False)}

@@ -19,8 +19,8 @@ from torch import nn
 
 from cluster.core.errors import CheckpointError, ConfigError
 from cluster.rank.evaluate import EvalResult
+from cluster.run.folder import RunFolder
 from cluster.run.restore import load_checkpoint
-from cluster.run.storage import Storage
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def load_model(
     from cluster.spec.task import build_task
 
     ckpt = load_checkpoint(run_url, step, storage_options)
-    storage = Storage(ckpt.run_url, storage_options)
+    storage = RunFolder.at(ckpt.run_url, storage_options).storage
     try:
         config = json.loads(storage.read_bytes("run.json"))["config"]
     except FileNotFoundError:
@@ -74,7 +74,7 @@ def evaluate_checkpoint(
     from cluster.spec.task import build_task
 
     ckpt = load_checkpoint(run_url, step, storage_options)
-    storage = Storage(ckpt.run_url, storage_options)
+    storage = RunFolder.at(ckpt.run_url, storage_options).storage
     try:
         config = json.loads(storage.read_bytes("run.json"))["config"]
     except FileNotFoundError:

@@ -15,6 +15,7 @@ from typing import Any
 
 from cluster.core.errors import CheckpointError, ConfigError
 from cluster.run.checkpoint import CheckpointStore
+from cluster.run.folder import RunFolder
 from cluster.run.lease import Lease, LeaseHeldError
 from cluster.run.logs import EventLog
 from cluster.run.restore import load_checkpoint
@@ -46,7 +47,7 @@ def rewind(
     first, as retention does) and record a ``rewound`` event, holding the run's lease meanwhile
     (``cluster.run.lease``: a job whose lease is not released is watched for a few beats). ConfigError while
     a job trains the run; CheckpointError when ``step`` has no verified checkpoint."""
-    storage = Storage(run_url, storage_options)
+    storage = RunFolder.at(run_url, storage_options).storage
     if not apply:
         return _plan(storage, step, storage_options)
     try:  # the run's lease: no job trains it meanwhile, and one that was taken over cannot write after

@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 from cluster.core.errors import ConfigError
 from cluster.core.urls import is_local, join, normalize_url
-from cluster.run.storage import Storage
+from cluster.run.folder import RunFolder
 from cluster.spec.config import JobConfig
 from cluster.spec.load import load_config
 
@@ -56,7 +56,7 @@ class SubmittedJob:
         """The run's status from its storage (``python -m cluster list``'s: running, finished, ...)."""
         from cluster.inspect import live_status, read_events
 
-        storage = Storage(self.run_url, self.config.storage.options)
+        storage = RunFolder.at(self.run_url, self.config.storage.options).storage
         return live_status(storage, read_events(storage))
 
     def logs(self) -> str:
@@ -73,7 +73,7 @@ class SubmittedJob:
         events as they land (``python -m cluster watch``'s lines). Returns Ray's final job status."""
         from cluster.inspect import WATCHED, event_line, read_events
 
-        storage = Storage(self.run_url, self.config.storage.options)
+        storage = RunFolder.at(self.run_url, self.config.storage.options).storage
         seen = len(read_events(storage)) if out is not None else 0
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:

@@ -23,11 +23,10 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from cluster.api import local_ray
 from cluster.core.errors import ConfigError
-from cluster.core.urls import join, normalize_url
 from cluster.driver.result import Result
 from cluster.run.checkpoint import CheckpointStore
+from cluster.run.folder import RunFolder
 from cluster.run.lease import Lease
-from cluster.run.storage import Storage
 from cluster.seam.protocol import WorkerGroup
 from cluster.spec.config import JobConfig, resolve_notify_url
 from cluster.spec.task import Task, task_path
@@ -149,7 +148,7 @@ def preflight(cfg: JobConfig, task: type[Task] | None = None) -> None:
     if cfg.training.init_from is not None:
         from cluster.run.restore import check_init_from
 
-        run = Storage(join(normalize_url(cfg.storage.url), cfg.name), cfg.storage.options)
+        run = RunFolder.of(cfg).storage
         if not CheckpointStore(run).list():  # a run that resumes from its own checkpoint ignores init_from
             check_init_from(cfg.training.init_from, cfg.training.init_from_step, cfg.storage.options)
     check_embedded_fits(cfg)
@@ -190,11 +189,13 @@ def train(
     try:
         started = ensure_ray(cfg)
         check_cluster(cfg)  # refusals write nothing: the lease is taken after them
-        lease = lease or Lease.take_for(cfg, takeover, None if out is None else lambda t: print(t, file=out))
+        folder = RunFolder.of(cfg)  # the run's storage, made once and handed to the lease and the driver
+        say = None if out is None else lambda t: print(t, file=out)
+        lease = lease or Lease.take_for(cfg, takeover, say, folder)
         factory = (
             functools.partial(ray_group_factory, task_cls=task) if task is not None else ray_group_factory
         )
-        driver = Driver(cfg, group_factory=factory, out=out, lease=lease, started_at=asked_at)
+        driver = Driver(cfg, group_factory=factory, out=out, lease=lease, started_at=asked_at, folder=folder)
         with stop_on_signals(driver):
             return driver.run()
     finally:

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from cluster.core.errors import StorageError
+from cluster.run.folder import RunFolder
 from cluster.run.requests import (
     DRIVER_BEAT_S,
     DRIVER_FILE,
@@ -125,7 +126,7 @@ class RunControl:
     stop file is read without retries, so a storage outage never stalls the loop that watches the ranks."""
 
     def __init__(self, run: Storage, time_limit_s: float | None) -> None:
-        self.storage = Storage(run.root, run.options, retries=0, retry_budget_s=0.0)
+        self.storage = RunFolder(run).unretried()
         self.time_limit_s = time_limit_s
         self.started_at = time.time()
         self.stop: StopRequest | None = None
@@ -207,6 +208,24 @@ class RunControl:
             clear_stop_request(run)
         except StorageError as exc:
             logger.warning("could not remove the stop request file: %s", exc)
+
+
+def answer_requests(
+    control: RunControl,
+    group: WorkerGroup,
+    record: RunRecord,
+    world_size: int,
+    step: int,
+    attempt: int,
+    hosts: list[str],
+) -> None:
+    """Answer the stacks and profile requests found while the ranks train (``RunControl.watch``)."""
+    for path, asked in control.watch():
+        if path == STACKS_FILE:
+            by = asked.get("by", "python -m cluster stacks")
+            dump_stacks(group, record, f"asked for by {by}", "request", step, attempt, hosts, asked.get("id"))
+        elif path == PROFILE_FILE:
+            start_profile(group, record, asked, world_size, step, attempt)
 
 
 def dump_stacks(

@@ -16,7 +16,9 @@ what it trained and acts on it.
 
 What the driver leaves to others: the run's record (events, console lines, metric rows, tracking:
 ``cluster.driver.record``), the decisions on failures (``cluster.driver.policy``), on drains, slow ranks and
-growing back (``cluster.driver.moves``), the run's requests (stop, time limit, stacks, profiles:
+growing back (``cluster.driver.moves``; the group's mode changes in ``cluster.driver.modes``, a base of
+``Driver``), the words of the ends it decides on (``cluster.driver.outcomes``), a group's set-up errors
+(``cluster.driver.starting``), the run's requests (stop, time limit, stacks, profiles:
 ``cluster.driver.control``), the gang of workers (``cluster.seam.protocol``), and the entry points
 (``cluster.api.train``).
 
@@ -28,29 +30,35 @@ heartbeat is a call into every worker while it trains.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 import time
 from typing import Any, TextIO
 
 from cluster.core.errors import (
-    CheckpointError,
     ConfigError,
     Failure,
     ResourcesUnavailableError,
     StorageError,
     TrainingFailedError,
 )
-from cluster.core.urls import join, normalize_url
-from cluster.driver.control import DriverBeat, RunControl, dump_stacks, grace_note, start_profile
+from cluster.driver.control import DriverBeat, RunControl, dump_stacks
 from cluster.driver.hang import hang_failure
-from cluster.driver.moves import Cancel, Decision, GrowNow, MoveWatch, Prepare, StopFor
+from cluster.driver.modes import GroupModes
+from cluster.driver.moves import MoveWatch
+from cluster.driver.outcomes import (
+    commits_failing,
+    commits_would_fail,
+    complete_checkpoint,
+    final_commit_failed,
+    unstarted_loss,
+)
 from cluster.driver.policy import FailurePolicy, HangStats, HangWatch
-from cluster.driver.record import RunRecord, ended_early
-from cluster.driver.recovery_plan import peer_plan, rollback_window
+from cluster.driver.record import RunRecord
+from cluster.driver.recovery_plan import move_plan, peer_plan, rollback_window
 from cluster.driver.replica_rollback import after_mismatch
 from cluster.driver.result import Result, result_of
+from cluster.driver.starting import group_config, set_up
 from cluster.driver.states import (
     Failed,
     Finished,
@@ -64,16 +72,14 @@ from cluster.driver.states import (
     Running,
     Starting,
     State,
-    Stop,
     Stopped,
 )
 from cluster.inspect.runs import resume_advice
-from cluster.run.checkpoint import CheckpointStore, CheckpointUnreadableError
-from cluster.run.lease import GENERATION_ENV, FencedError, Lease
+from cluster.run.checkpoint import CheckpointStore
+from cluster.run.folder import RunFolder
+from cluster.run.lease import FencedError, Lease
 from cluster.run.quarantine import Quarantine
-from cluster.run.requests import PROFILE_FILE, STACKS_FILE
-from cluster.run.storage import PROBE_ENV, Storage, write_probe
-from cluster.seam.peers import PeerPlan, plan_recovery
+from cluster.run.storage import write_probe
 from cluster.seam.preemption import Move
 from cluster.seam.protocol import EpochResult, GroupFactory, Salvage, SetupInfo, StartCancelled, WorkerGroup
 from cluster.spec.config import JobConfig
@@ -84,7 +90,7 @@ __all__ = ["Driver", "FailurePolicy"]
 logger = logging.getLogger(__name__)
 
 
-class Driver:
+class Driver(GroupModes):
     """Runs one job to its end. ``run`` loops ``state = self._step(state)`` until a terminal state; every
     transition goes through ``_transition``. What outlives a state (the position reached, the live worker
     group and its mode, the failures seen) is on the driver; the run's history is on ``record``."""
@@ -99,6 +105,7 @@ class Driver:
         takeover: bool = False,
         lease: Lease | None = None,
         started_at: float | None = None,
+        folder: RunFolder | None = None,
     ) -> None:
         self.cfg = cfg
         self.takeover = takeover
@@ -108,8 +115,10 @@ class Driver:
         self.policy = policy or FailurePolicy(cfg.failures)
         self.poll_s = poll_s
         self.state: State = Starting()
-        self.storage = Storage(join(normalize_url(cfg.storage.url), cfg.name), cfg.storage.options)
-        self.run_url = self.storage.root
+        self.folder = folder or RunFolder.of(cfg)
+        """The run's folder (``cluster.run.folder``): its storage is the one every part of the driver uses."""
+        self.storage = self.folder.storage
+        self.run_url = self.folder.url
         self.record = RunRecord(cfg, self.storage, out or sys.stdout)
         self.record.t0 = started_at or time.time()  # the goodput ledger's start (``cluster.run.goodput``)
         self.control = RunControl(self.storage, cfg.training.time_limit_s)
@@ -151,19 +160,9 @@ class Driver:
     def out(self, out: TextIO) -> None:
         self.record.out = out
 
-    @property
-    def stopping(self) -> bool:
-        """A stop was asked for (a second signal then stops at once)."""
-        return self.control.stop is not None
-
-    def request_stop(self, reason: str) -> None:
-        """Stop at the next step boundary, every rank at the same one, with a checkpoint there; the run ends
-        with status ``stopped`` and a resubmission resumes from that checkpoint exactly. Only sets a field:
-        safe to call from a signal handler (the loop acts on it at its next heartbeat) or another thread."""
-        self.control.request_stop(reason)
-
     def run(self) -> Result:
-        lease = self.lease = self.lease or Lease.take_for(self.cfg, self.takeover, self.record.print)
+        lease = self.lease or Lease.take_for(self.cfg, self.takeover, self.record.print, self.folder)
+        self.lease = lease
         lease.start()
         try:
             return self._run(lease)
@@ -266,23 +265,14 @@ class Driver:
     def _initial_state(self) -> State:
         """Decided once, before any worker starts: a run whose newest verified checkpoint covers every epoch
         is already complete. The workers resume from that same checkpoint, so they never disagree."""
-        store = CheckpointStore(self.storage)
-        epochs, patience = self.cfg.training.epochs, self.cfg.evaluation.patience
-        for info in reversed(store.list()):
-            if info.epoch < epochs and not ended_early(info, patience):
-                return Starting()  # the newest usable checkpoint (this or an older one) leaves work to do
-            try:
-                store.read_verified(info)
-            except CheckpointError as exc:  # (a read that fails past its retries is raised: not "absent")
-                logger.warning(
-                    "final checkpoint at step %d does not verify, looking further back: %s", info.step, exc
-                )
-                continue
-            self.global_step, self.epoch = info.step, info.epoch
-            self.stopped_early = info.epoch < epochs  # ended by early stopping
-            self.record.already_complete(self.global_step, self.stopped_early)
-            return Finished()
-        return Starting()
+        epochs = self.cfg.training.epochs
+        info = complete_checkpoint(CheckpointStore(self.storage), epochs, self.cfg.evaluation.patience)
+        if info is None:
+            return Starting()
+        self.global_step, self.epoch = info.step, info.epoch
+        self.stopped_early = info.epoch < epochs  # ended by early stopping
+        self.record.already_complete(self.global_step, self.stopped_early)
+        return Finished()
 
     # ------------------------------------------------------------------ starting
     def _start(self, s: Starting) -> State:
@@ -295,7 +285,7 @@ class Driver:
             # A stop asked while Ray has no room ends the run here; one asked when the group can start (a
             # backoff's, a signal at start-up) is acted on at its first step, with a checkpoint there.
             n = group.reserve(
-                list(range(target, minimum - 1, -1)), cfg.scaling.resource_wait_s, self._stop_asked
+                list(range(target, minimum - 1, -1)), cfg.scaling.resource_wait_s, self.control.stop_asked
             )
         except ResourcesUnavailableError as exc:
             self.record.event("failed", reason=str(exc))
@@ -308,7 +298,7 @@ class Driver:
             self.record.shrunk(self.world_size or target, n)
             if self.quarantine.nodes:
                 self.record.print(f"[{cfg.name}] smaller: {self.quarantine.wait_note()}")
-        infos = self._set_up(group, n, s)
+        infos = set_up(group, n, s.peers, self.skips, self._rollback)
         if isinstance(infos, Failure):
             return self._on_failure(infos)
         return self._started(s, infos, time.time() - t0, t_reserved)
@@ -318,40 +308,15 @@ class Driver:
         token (``Worker.setup`` checks it sees the driver's storage: storage visible only here fails at
         once; one token per driver) and the lease's generation (rank 0's commits check no newer one took
         the run over)."""
-        cfg = self.cfg
         if self._probe_token is None:
             self._probe_token = write_probe(self.storage)
-        env = {**cfg.scaling.env, PROBE_ENV: self._probe_token}
-        if self.lease is not None:
-            env[GENERATION_ENV] = str(self.lease.generation)
-        group_cfg = dataclasses.replace(cfg, scaling=dataclasses.replace(cfg.scaling, env=env))
+        group_cfg = group_config(self.cfg, self._probe_token, self.lease)
         group = self._placer = self.group_factory(group_cfg, self.run_url, self.attempt)
         if self.quarantine.nodes:
             group.keep_off(self.quarantine.nodes)
         if s.salvage is not None:
             group.adopt(s.salvage)
         return group
-
-    def _set_up(self, group: WorkerGroup, n: int, s: Starting) -> list[SetupInfo] | Failure:
-        """Start and set up ``n`` ranks; a Failure of this attempt when that fails in a way a retry can
-        help. What a retry cannot help is raised for the user (module doc of ``cluster.api.train``)."""
-        try:
-            return group.start(n, s.peers, self.skips, self._rollback)
-        except CheckpointUnreadableError as exc:
-            # storage failed past its retries while a rank read the checkpoint (or it holds a state the
-            # safe loader refuses): a failure of this attempt, retried by the policy; never a fresh start
-            cause = getattr(exc, "cause", None) or exc
-            return Failure("storage", None, f"{type(cause).__name__}: {cause}")
-        except (ConfigError, StorageError) as exc:
-            # e.g. workers import other code than the driver, or cannot see its storage (after the retry
-            # budget): retrying cannot help. Raised in a worker, Ray wraps it with its traceback: the
-            # user gets the error itself.
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, ConfigError | StorageError):
-                raise cause from None
-            raise
-        except Exception as exc:
-            return group.classify(exc, starting=True)
 
     def _started(self, s: Starting, infos: list[SetupInfo], seconds: float, t_reserved: float) -> State:
         """The group is set up: take its position, record it, and train from where it resumed."""
@@ -395,7 +360,7 @@ class Driver:
             try:
                 self._watch_control()  # here, not only between heartbeats: epochs may be shorter than those
                 moving = isinstance(self.mode, Move)
-                results = group.poll(self._heartbeat_every(watch) if not moving else 0.25)
+                results = group.poll(self._poll_s(watch) if not moving else 0.25)
                 if results is None:
                     self._watch_moves(running=True)
             except Exception as exc:
@@ -436,18 +401,13 @@ class Driver:
         assert self.group is not None
         self._hang_stats.rows(head.step_rows)  # the epoch's end checkpoint's stall
         next_state = self._after_epoch(head)
-        if isinstance(next_state, Running) and not self._commits_would_fail(head):
+        limit = self.cfg.checkpoint.max_failed_commits  # reached: the next epoch is not dispatched
+        if isinstance(next_state, Running) and not commits_would_fail(
+            self.record.failed_in_a_row, head.commits, limit
+        ):
             self.group.run_epoch(next_state.epoch, next_state.start_step, seq=self.record.events.count)
         self._record_epoch(head, wall_s, s.recovery)
         return self._commits_failing() or next_state
-
-    def _commits_would_fail(self, head: EpochResult) -> bool:
-        """Whether this epoch's commits bring the failures in a row to ``checkpoint.max_failed_commits``
-        (the next epoch is then not dispatched)."""
-        streak = self.record.failed_in_a_row
-        for c in head.commits:
-            streak = streak + 1 if c.error else 0
-        return streak >= self.cfg.checkpoint.max_failed_commits
 
     def _after_epoch(self, head: EpochResult) -> State:
         cfg = self.cfg
@@ -520,35 +480,19 @@ class Driver:
         self.record.ledger.enter("checkpoint_stall")  # the final checkpoint's flush
         self.record.commits(self.group.finish())
         if self.record.committed.get(self.global_step) is False:  # the final checkpoint did not commit
-            infos = CheckpointStore(self.storage).list()
-            last = f"step {infos[-1].step} ({infos[-1].url})" if infos else "none"
-            return self._fail(
-                TrainingFailedError(
-                    f"the final checkpoint at step {self.global_step} failed to commit, also when written "
-                    f"again ({self.record.last_commit_error or 'no record of it'}). The last good "
-                    f"checkpoint: {last}; fix the storage, then rerun the same job to train the steps after "
-                    "it"
-                )
-            )
+            store, error = CheckpointStore(self.storage), self.record.last_commit_error
+            return self._fail(final_commit_failed(store, self.global_step, error))
         self.record.finished(self.global_step, s.loss, self.attempt + 1)
         return Finished()
 
     def _commits_failing(self) -> Failed | None:
         """``checkpoint.max_failed_commits`` commits in a row failed: the run stops rather than train on
         with nothing durable."""
-        limit = self.cfg.checkpoint.max_failed_commits
-        if self.record.failed_in_a_row < limit:
+        limit, in_a_row = self.cfg.checkpoint.max_failed_commits, self.record.failed_in_a_row
+        if in_a_row < limit:
             return None
-        infos = CheckpointStore(self.storage).list()
-        last = f"step {infos[-1].step}" if infos else "none"
-        return self._fail(
-            TrainingFailedError(
-                f"checkpoint.max_failed_commits={limit}: {self.record.failed_in_a_row} checkpoints in a "
-                f"row failed to commit (the last: {self.record.last_commit_error}); nothing durable since "
-                f"the last good checkpoint ({last}). Fix the storage, then rerun the same job to resume from "
-                "it"
-            )
-        )
+        store = CheckpointStore(self.storage)
+        return self._fail(commits_failing(store, limit, in_a_row, self.record.last_commit_error))
 
     def _resize(self, s: Resizing) -> State:
         """Grow back at an epoch boundary: the epoch-end checkpoint is flushed, then a new gang starts."""
@@ -560,54 +504,6 @@ class Driver:
         self.group = None
         self.attempt += 1
         return Starting()
-
-    # ------------------------------------------------------------------ moves (drains, slow ranks, growing)
-    def _watch_moves(self, running: bool) -> None:
-        """Drain notices and a move in progress; while an epoch runs, room to grow back."""
-        if self.group is None or self.stopping:
-            return  # (a stop asked for checkpoints every rank's state anyway)
-        self._apply(self.moves.drains(self.group, self.mode, running, self.world_size, self.global_step))
-        if running and self.mode is None:
-            self._apply(self.moves.grow(self.group, self.world_size))
-
-    def _apply(self, d: Decision | None) -> None:
-        """Carry out a decision of the move watch on the group."""
-        if d is None or self.group is None:
-            return
-        if isinstance(d, Prepare):
-            if d.move.slow:  # an incident of the node the slow rank leaves
-                step = self._step_seen()
-                nodes, hosts = self.moves.rank_nodes, self.moves.rank_hosts
-                self.quarantine.ranks("slow_rank_move", d.move.ranks, step, nodes, hosts)
-            if d.place:
-                if d.avoid is None:
-                    self.group.prepare_move(d.move.ranks)
-                else:
-                    self.group.prepare_move(d.move.ranks, avoid=d.avoid)
-                d.move.prepared = True
-            self.mode = d.move
-        elif isinstance(d, StopFor):
-            self._stop_for(d.move)
-        elif isinstance(d, Cancel):
-            self.group.cancel_move()
-            if d.stop:
-                self._stop_for(d.move)
-            else:
-                self.mode = None
-        elif isinstance(d, GrowNow):
-            self.mode = Grow(self.group.stop(checkpoint=True))
-
-    def _stop_for(self, m: Move) -> None:
-        """Stop the group at a step boundary; with a checkpoint unless the replacements take the state
-        from a healthy rank."""
-        assert self.group is not None
-        m.stop_requested_at = time.time()
-        m.stop_step = self.group.stop(checkpoint=not m.replaced or m.via == "checkpoint")
-
-    def _drop_mode(self) -> None:
-        if isinstance(self.mode, Move):
-            self.moves.forget(self.mode)
-        self.mode = None
 
     def _moved(self, s: Moving) -> State:
         """The group stopped for a move: record the steps trained, then start again without the draining
@@ -635,49 +531,13 @@ class Driver:
         keep = m.replaced and m.via == "peers"
         salvage = group.salvage(None, self.attempt + 1, leaving=m.ranks, keep_state=keep)
         self.group = None
-        plan = None
-        if salvage is not None and salvage.peers is not None:
-            chosen = plan_recovery(salvage.peers)
-            plan = chosen if isinstance(chosen, PeerPlan) else None
-            if plan is None:
-                m.reason = f"the ranks' states disagree ({chosen}): from the checkpoint instead"
+        plan = move_plan(salvage, m)
         if salvage is None:
             group.shutdown(graceful=False)
         self.attempt += 1
         return Starting(salvage=salvage, peers=plan, move=m)
 
     # ------------------------------------------------------------------ requests (stop, stacks, profiles)
-    def _watch_control(self) -> None:
-        """While an epoch runs: answer stacks and profile requests, and act on a stop asked for: every rank
-        stops at the same step boundary with a checkpoint there (``WorkerGroup.stop``). A grow already
-        stopping the group with a checkpoint serves as the stop; a move that is stopping it is let finish
-        (the stop is acted on once the moved group trains), one still preparing is dropped."""
-        assert self.group is not None
-        for path, asked in self.control.watch():
-            if path == STACKS_FILE:
-                by = asked.get("by", "python -m cluster stacks")
-                self._dump_stacks(f"asked for by {by}", "request", self._step_seen(), asked.get("id"))
-            elif path == PROFILE_FILE:
-                step = self._step_seen()
-                start_profile(self.group, self.record, asked, self.world_size, step, self.attempt)
-        req = self.control.stop
-        if req is None or isinstance(self.mode, Stop):
-            return
-        if isinstance(self.mode, Move):
-            if self.mode.stopping:
-                return
-            self.group.cancel_move()
-            self._drop_mode()
-        step = self.mode.step if isinstance(self.mode, Grow) else self.group.stop(checkpoint=True)
-        self.mode = Stop(step)
-        self.record.stop_requested(req.reason, step, grace_note(req.reason))
-
-    def _stop_asked(self) -> bool:
-        return self.control.stop_asked()
-
-    def _step_seen(self) -> int:
-        return max(self.global_step, self._seen_step)
-
     def _dump_stacks(
         self, reason: str, kind: str, step: int | None, request: str | None = None
     ) -> dict[int, Any] | None:
@@ -691,18 +551,8 @@ class Driver:
     def _stop_unstarted(self, why: str, salvage: Salvage | None) -> Stopped:
         """A stop asked before the group trained: nothing to checkpoint but what survivors of a failure hold
         in memory, which is lost (said, with the steps)."""
-        if self.group is not None:
-            self.group.shutdown(graceful=False)  # the adopted survivors too
-            self.group = None
-        held = max((p.global_step for p in (salvage.peers or {}).values()), default=0) if salvage else 0
-        infos = CheckpointStore(self.storage).list()
-        newest = infos[-1].step if infos else 0
-        lost = (
-            f"; the survivors of the failure held step {held}, which is lost (steps {newest + 1}-{held})"
-            if held > newest
-            else ": nothing trained since the newest checkpoint"
-        )
-        return self._end_stopped(False, f"{why}{lost}")
+        self._drop_group()  # the adopted survivors too
+        return self._end_stopped(False, f"{why}{unstarted_loss(CheckpointStore(self.storage), salvage)}")
 
     def _end_stopped(self, committed: bool, note: str | None = None) -> Stopped:
         req = self.control.stop
@@ -726,9 +576,7 @@ class Driver:
         failure, timing = s.failure, s.recovery
         if self.stopping:  # asked to stop: no restart, whatever the failure
             self.mode = None
-            if self.group is not None:
-                self.group.shutdown(graceful=False)
-                self.group = None
+            self._drop_group()
             self.record.flush_rows([], self.epoch, self.attempt)  # the heartbeats' rows: nothing is lost
             return self._end_stopped(False, f"a failure during the stop: {failure.kind}, rank {failure.rank}")
         decision = self.policy.decide(failure, self.failures, self._streak)
@@ -765,7 +613,7 @@ class Driver:
                 )
             )
         wake = time.monotonic() + decision.delay_s
-        while time.monotonic() < wake and not self._stop_asked():  # a stop cuts the wait short
+        while time.monotonic() < wake and not self.control.stop_asked():  # a stop cuts the wait short
             time.sleep(min(0.5, max(0.0, wake - time.monotonic())))
         self.attempt += 1
         return Starting(recovery=timing, salvage=salvage, peers=plan)
@@ -781,6 +629,12 @@ class Driver:
         """A node was quarantined: the current group places nothing more there (``WorkerGroup.keep_off``)."""
         if self.group is not None:
             self.group.keep_off(nodes)
+
+    def _drop_group(self) -> None:
+        """Kill the group's workers (no checkpoint flushed): the run ends, or stops before training."""
+        if self.group is not None:
+            self.group.shutdown(graceful=False)
+            self.group = None
 
     def _fail(self, exc: BaseException) -> Failed:
         self._record_failed(exc)
@@ -804,10 +658,7 @@ class Driver:
             self._spare_announced = True
             self.record.spare_ready(self.attempt, prepare_s)
 
-    def _heartbeat_every(self, watch: HangWatch) -> float:
-        """Seconds between heartbeats: ``poll_s`` for a terminal's live bar, else a twentieth of the hang
-        timeout within [poll_s, 5 * poll_s]. A death is seen at once either way (the epoch's result fails)."""
+    def _poll_s(self, watch: HangWatch) -> float:
+        """Seconds between heartbeats (``HangWatch.heartbeat_every``), a terminal's live bar's or not."""
         assert self.record.display is not None
-        if self.record.display.tty:
-            return self.poll_s
-        return min(max(self.poll_s, watch.timeout() / 20), 5 * self.poll_s)
+        return watch.heartbeat_every(self.poll_s, self.record.display.tty)

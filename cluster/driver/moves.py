@@ -2,8 +2,8 @@
 slow ranks (``failures.slow_rank_action``) and growing back once the cluster has room again.
 
 :class:`MoveWatch` looks (at most once per ``DRAIN_POLL_S`` / ``GROW_POLL_S``), records what it sees, and
-returns a decision; the driver carries it out on the group (:meth:`cluster.driver.driver.Driver._apply`). It
-never changes the group itself. The group's mode (``None``, a :class:`cluster.driver.states.Stop`, a
+returns a decision; :func:`carry_out` carries it out on the group (the driver calls it). The watch never
+changes the group itself. The group's mode (``None``, a :class:`cluster.driver.states.Stop`, a
 :class:`cluster.driver.states.Grow` or a :class:`cluster.seam.preemption.Move`) is the driver's; the watch
 reads it.
 """
@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from cluster.driver.policy import SlowRankWatch
 from cluster.driver.record import RunRecord
+from cluster.driver.states import Grow, Mode
 from cluster.seam.preemption import DrainNotice, Move
 from cluster.seam.protocol import SetupInfo, WorkerGroup
 from cluster.spec.config import JobConfig
@@ -62,6 +64,39 @@ class GrowNow:
 
 
 Decision = Prepare | StopFor | Cancel | GrowNow
+
+
+def carry_out(d: Decision, group: WorkerGroup, mode: Mode, slow: Callable[[Move], None]) -> Mode:
+    """Carry out a decision of the watch on the group; returns the group's mode after it. ``slow`` is told
+    of a slow rank's move before anything is placed (an incident of the node the rank leaves)."""
+    if isinstance(d, Prepare):
+        if d.move.slow:
+            slow(d.move)
+        if d.place:
+            if d.avoid is None:
+                group.prepare_move(d.move.ranks)
+            else:
+                group.prepare_move(d.move.ranks, avoid=d.avoid)
+            d.move.prepared = True
+        return d.move
+    if isinstance(d, StopFor):
+        stop_for(group, d.move)
+    elif isinstance(d, Cancel):
+        group.cancel_move()
+        if d.stop:
+            stop_for(group, d.move)
+        else:
+            return None
+    elif isinstance(d, GrowNow):
+        return Grow(group.stop(checkpoint=True))
+    return mode
+
+
+def stop_for(group: WorkerGroup, m: Move) -> None:
+    """Stop the group at a step boundary; with a checkpoint unless the replacements take the state from a
+    healthy rank."""
+    m.stop_requested_at = time.time()
+    m.stop_step = group.stop(checkpoint=not m.replaced or m.via == "checkpoint")
 
 
 class MoveWatch:

@@ -165,6 +165,13 @@ class HangWatch:
     def max_step(self) -> int:
         return self.stats.max_step
 
+    def heartbeat_every(self, poll_s: float, tty: bool) -> float:
+        """Seconds between heartbeats: ``poll_s`` for a terminal's live bar, else a twentieth of the hang
+        timeout within [poll_s, 5 * poll_s]. A death is seen at once either way (the epoch's result fails)."""
+        if tty:
+            return poll_s
+        return min(max(poll_s, self.timeout() / 20), 5 * poll_s)
+
     @property
     def max_step_time(self) -> float:
         return self.stats.max_step_time

@@ -13,6 +13,7 @@ from __future__ import annotations
 from cluster.core.errors import Failure
 from cluster.driver.states import RecoveryTiming
 from cluster.seam.peers import PeerPlan, plan_recovery
+from cluster.seam.preemption import Move
 from cluster.seam.protocol import Salvage
 from cluster.spec.config import JobConfig
 from cluster.spec.schedule import Window
@@ -65,4 +66,16 @@ def peer_plan(
         timing.fallback = plan
     if failure.kind != "hang" and not f.warm_restart:
         timing.fallback = "failures.warm_restart is off: no survivor keeps its process"
+    return None
+
+
+def move_plan(salvage: Salvage | None, m: Move) -> PeerPlan | None:
+    """Whom the replacements of a move copy the state from, or None (the checkpoint); when the kept ranks'
+    states disagree, the move says so in its reason."""
+    if salvage is None or salvage.peers is None:
+        return None
+    chosen = plan_recovery(salvage.peers)
+    if isinstance(chosen, PeerPlan):
+        return chosen
+    m.reason = f"the ranks' states disagree ({chosen}): from the checkpoint instead"
     return None

@@ -79,13 +79,19 @@ def run_names(root: Storage) -> list[str]:
     return [name for name in root.listdir() if root.exists(f"{name}/run.json")]
 
 
+def _open(url: str, options: dict[str, Any] | None) -> Storage:
+    """Storage at ``url``: the one place the read paths of ``inspect`` open it from a URL (a storage root
+    or one run's folder)."""
+    return Storage(url, options)
+
+
 def open_run(url: str, name: str | None = None, options: dict[str, Any] | None = None) -> Storage:
     """The storage of one run, from ``URL NAME`` or ``URL/NAME``; InspectError naming the runs there if
     none."""
     if name is not None:
         root_url, run = normalize_url(url), name
     else:
-        direct = Storage(url, options)
+        direct = _open(url, options)
         if direct.exists("run.json"):
             return direct
         names = run_names(direct)
@@ -97,8 +103,8 @@ def open_run(url: str, name: str | None = None, options: dict[str, Any] | None =
         root_url, _, run = direct.root.rpartition("/")
         if not root_url or root_url.endswith(":/") or not run:
             raise InspectError(f"no run at {direct.root} (no run.json there)")
-    root = Storage(root_url, options)
-    storage = Storage(join(root.root, run), options)
+    root = _open(root_url, options)
+    storage = _open(join(root.root, run), options)
     if storage.exists("run.json"):
         return storage
     names = run_names(root)
@@ -185,7 +191,7 @@ def run_metrics(run_url: str, storage_options: dict[str, Any] | None = None, fin
     """The run's metrics as a ``pyarrow.Table`` (columns: docs/runs.md): with ``final``, only the rows of
     the path the run took (:func:`final_path`: no replayed, rolled-back or rewound rows), in step order;
     else every row written."""
-    storage = Storage(run_url, storage_options)
+    storage = _open(run_url, storage_options)
     parts = read_metric_parts(storage)
     table = concat_metrics([t for _, t in parts])
     if not final:
@@ -388,14 +394,14 @@ def summarize(
 
 
 def list_runs(url: str, options: dict[str, Any] | None = None, verify: bool = True) -> list[RunSummary]:
-    root = Storage(url, options)
+    root = _open(url, options)
     names = run_names(root)
     if not names:
         raise InspectError(f"no runs under {root.root} (no folder there holds a run.json)")
     mode = "latest" if verify else "none"
     out = []
     for name in names:
-        storage = Storage(join(root.root, name), options)
+        storage = _open(join(root.root, name), options)
         rows = checkpoint_rows(storage, mode)
         out.append(
             summarize(

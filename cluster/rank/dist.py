@@ -12,6 +12,7 @@ import datetime
 import logging
 import os
 import socket
+import time
 from typing import Any
 
 import torch
@@ -300,3 +301,40 @@ def destroy_process_group() -> None:
             dist.destroy_process_group()
         except Exception as exc:  # a broken group (a peer died) may fail to tear down; the process moves on
             logger.warning("destroy_process_group failed: %s: %s", type(exc).__name__, exc)
+
+
+SETUP_AGREE_S = 5.0
+"""How long a rank that failed in set-up waits for the other ranks' errors, to tell an error every rank
+raises (a bug: the run stops) from one rank's (retried)."""
+
+
+def same_on_every_rank(store: dist.TCPStore | None, rank: int, world_size: int, signature: str) -> bool:
+    """Whether every rank failed its set-up with the same error (``signature``), agreed through the
+    rendezvous store: each failing rank posts its error there and waits up to ``SETUP_AGREE_S`` for the
+    others'. False when there is nothing to agree through (never connected, or the store went with rank
+    0's process)."""
+    if world_size == 1:
+        return True
+    if store is None:  # never connected: nothing to agree through
+        return False
+    keys = [f"cluster/setup_error/{r}" for r in range(world_size)]
+    try:
+        store.set(keys[rank], signature)
+        deadline = time.monotonic() + SETUP_AGREE_S
+        while not store.check(keys):
+            if time.monotonic() > deadline:
+                return False  # another rank set up without this error (or is slower than the wait)
+            time.sleep(0.05)
+        return all(store.get(k).decode() == signature for k in keys)
+    except Exception as exc:  # the store went with rank 0's process: no agreement to be had
+        logger.warning("could not compare the set-up error with the other ranks': %s", exc)
+        return False
+
+
+def mean_over_ranks(total: float, count: float, device: torch.device) -> float:
+    """``sum(total) / sum(count)`` over every rank of the group (one collective; count at least 1)."""
+    totals = torch.tensor([total, count], dtype=torch.float64)
+    if device.type == "cuda":
+        totals = totals.to(device)
+    dist.all_reduce(totals)
+    return float(totals[0]) / max(float(totals[1]), 1.0)

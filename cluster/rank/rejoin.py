@@ -4,7 +4,8 @@ A survivor of a failure leaves its process group at once (so peers blocked on it
 timeout) and keeps model, optimizer and position in memory (:func:`keep`). The next ``setup`` takes the
 state either from a peer over the new group (:func:`receive`) or from the newest verified checkpoint
 (:func:`resume`; after a NaN loss the newest before the skipped window, :func:`rollback_point`; a fresh
-run's weights may come from another run, :func:`init_from`). Each returns the :class:`ResumePoint` the
+run's weights may come from another run, :func:`init_from`); :func:`take_state` chooses between them and
+wraps the model. Each returns the :class:`ResumePoint` the
 driver is told and the :class:`RunPosition` the worker continues from. The driver's half is
 ``cluster.driver.driver``.
 """
@@ -15,14 +16,16 @@ import dataclasses
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cluster.core.errors import CheckpointError, ConfigError, StorageError
 from cluster.data.pipeline import ResumableDistributedSampler
+from cluster.rank import ddp
 from cluster.rank import dist as cdist
 from cluster.rank.ddp import unsendable
 from cluster.rank.peer_transfer import Transfer, broadcast_state, state_digest
@@ -34,6 +37,7 @@ from cluster.seam.peers import PeerPlan, PeerState
 from cluster.seam.protocol import ResumePoint
 from cluster.spec.config import JobConfig
 from cluster.spec.schedule import Window, merge_windows
+from cluster.spec.task import Task
 
 logger = logging.getLogger(__name__)
 
@@ -422,3 +426,72 @@ def init_from(raw_model: nn.Module, rank: int, cfg: JobConfig) -> dict[str, Any]
     ckpt = load_checkpoint(url, None, options)
     report = init_weights(raw_model, ckpt.model, t.init_strict, url)
     return {"url": url, "step": ckpt.step, **report}
+
+
+class Taken(NamedTuple):
+    """What :func:`take_state` hands the worker: the wrapped model, optimizer and scheduler, where it
+    resumes, the checkpoints skipped on the way, the new position and the step of the checkpoint resumed
+    from (-1: none this process may count as written)."""
+
+    model: DDP
+    optimizer: torch.optim.Optimizer
+    scheduler: Scheduler | None
+    resume: ResumePoint
+    skipped: list[tuple[int, str]]
+    pos: RunPosition
+    last_checkpoint: int
+
+
+def take_state(
+    task: Task,
+    cfg: JobConfig,
+    rank: int,
+    world_size: int,
+    pos: RunPosition,
+    kept: Any,
+    peers: PeerPlan | None,
+    rollback: Window | None,
+    raw_model: nn.Module,
+    device: torch.device,
+    sampler: ResumableDistributedSampler,
+    store: CheckpointStore,
+    memory: MemorySnapshots,
+    t: dict[str, float],
+) -> Taken:
+    """Wrap the model and take the state to resume from: a peer's over the new group when ``peers`` is
+    given (a survivor, ``kept``: its ``TrainSession``, keeps its own optimizer), else a checkpoint's (or a
+    copy in memory, or the run's start). ``t``: the set-up's timings, to which this adds its marks."""
+    total_steps = sampler.steps_per_epoch * cfg.training.epochs
+    if peers is not None:
+        if kept is not None:
+            optimizer, scheduler = kept.optimizer, kept.scheduler
+        else:
+            optimizer, scheduler = _optimizer(task, cfg, raw_model, total_steps)
+        # the same on every rank (a survivor's own may differ from a newcomer's)
+        point, pos = receive(
+            peers, rank, world_size, cfg.training.seed, device, raw_model, optimizer, scheduler, pos
+        )
+        t["peer_transfer"] = time.time()
+        # every rank now holds the verified same parameters and buffers: DDP's own broadcast of rank 0's (a
+        # model's worth of collectives across the whole group) would only repeat that
+        model = ddp.wrap(raw_model, device, cfg, sync=False)
+        t["ddp"] = time.time()
+        return Taken(model, optimizer, scheduler, point, [], pos, -1)
+    model = ddp.wrap(raw_model, device, cfg)
+    optimizer, scheduler = _optimizer(task, cfg, raw_model, total_steps)
+    t["ddp"] = time.time()
+    point, skipped, pos = resume(
+        store, rank, cfg, raw_model, optimizer, scheduler, pos, sampler, rollback, memory
+    )
+    # a checkpoint resumed from exists: an evaluation there never writes it again; any other state (a copy
+    # in memory, the run's start) leaves the checkpoints this process wrote on another path
+    last = point.global_step if point.source == "checkpoint" else -1
+    t["checkpoint_load"] = time.time()
+    return Taken(model, optimizer, scheduler, point, skipped, pos, last)
+
+
+def _optimizer(
+    task: Task, cfg: JobConfig, raw_model: nn.Module, total_steps: int
+) -> tuple[torch.optim.Optimizer, Scheduler | None]:
+    optimizer = ddp.build_optimizer(task, raw_model, cfg.training.zero)
+    return optimizer, task.build_scheduler(optimizer, total_steps)

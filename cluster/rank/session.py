@@ -8,8 +8,10 @@ Which state the session starts from (a peer's or a checkpoint's) is ``cluster.ra
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,12 +25,14 @@ from cluster.data.pipeline import ResumableDistributedSampler
 from cluster.rank import dist as cdist
 from cluster.rank.ddp import is_zero
 from cluster.rank.train_state import RunPosition, Scheduler, capture
-from cluster.run.checkpoint import CheckpointStore, CheckpointWriter
+from cluster.run.checkpoint import CheckpointStore, CheckpointWriter, CommitRecord
 from cluster.run.state_bytes import check_loadable
 from cluster.seam.protocol import SetupInfo
 from cluster.spec.config import JobConfig
 from cluster.spec.schedule import Schedule
 from cluster.spec.task import Task
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -169,3 +173,32 @@ def _skeleton(obj: Any) -> Any:
     if type(obj) in (torch.Tensor, nn.Parameter):
         return torch.empty(0, dtype=obj.dtype)
     return obj
+
+
+LAST_COMMIT_RETRIES = 2
+"""Times a failed last checkpoint is written again as the group ends (``Worker.finish``)."""
+LAST_COMMIT_PAUSE_S = 2.0
+"""The pause before each such retry, times its number."""
+
+
+def write_again(writer: CheckpointWriter, step: int, write: Callable[[], object]) -> list[CommitRecord]:
+    """Rank 0, as the group ends: when the newest checkpoint asked for (``step``, where the ranks stand)
+    failed to commit, write it again from the live state (``write``), up to ``LAST_COMMIT_RETRIES`` times
+    with a pause (storage already retried each file). Returns the new records."""
+    out: list[CommitRecord] = []
+    for attempt in range(1, LAST_COMMIT_RETRIES + 1):
+        last = writer.last  # the epoch's result may have reported it already: not in ``records``
+        if last is None or last.step != step or not last.error:
+            break
+        logger.warning(
+            "checkpoint at step %d failed (%s): writing it again (%d/%d)",
+            step,
+            last.error,
+            attempt,
+            LAST_COMMIT_RETRIES,
+        )
+        time.sleep(LAST_COMMIT_PAUSE_S * attempt)
+        write()
+        writer.wait()
+        out += writer.drain()
+    return out

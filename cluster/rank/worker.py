@@ -35,12 +35,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cluster.core import stacks as stack_dump
 from cluster.core.errors import ConfigError, DivergedError, StorageError, WorkerError
-from cluster.data.pipeline import InputPipeline, ResumableDistributedSampler
+from cluster.data.pipeline import InputPipeline
 from cluster.rank import ddp
 from cluster.rank import dist as cdist
 from cluster.rank import rejoin as recovery
@@ -52,14 +50,15 @@ from cluster.rank.process import set_niceness, tune_process
 from cluster.rank.profiling import ProfileRequest, StepProfiler
 from cluster.rank.replica import ReplicaGuard, ReplicaMismatchError
 from cluster.rank.rollback_points import MemorySnapshots
-from cluster.rank.session import TrainSession, build_model, join_group, sampler_for, writer_for
+from cluster.rank.session import TrainSession, build_model, join_group, sampler_for, write_again, writer_for
 from cluster.rank.step import Divergence, peak_memory_gib, seed_step, step_seed, train_step
-from cluster.rank.train_state import RunPosition, Scheduler, capture, checkpoint_files
-from cluster.run.checkpoint import CheckpointStore, CommitRecord
+from cluster.rank.train_state import RunPosition, capture, checkpoint_files
+from cluster.run.checkpoint import CommitRecord
+from cluster.run.folder import RunFolder
 from cluster.run.lease import GENERATION_ENV, Fence
-from cluster.run.storage import PROBE_ENV, Storage, check_probe
+from cluster.run.storage import PROBE_ENV, check_probe
 from cluster.seam.peers import PeerPlan, PeerState
-from cluster.seam.protocol import EpochResult, Heartbeat, ResumePoint, SetupInfo
+from cluster.seam.protocol import EpochResult, Heartbeat, SetupInfo
 from cluster.spec.config import JobConfig
 from cluster.spec.schedule import HOLD_STEPS as HOLD_STEPS  # cluster.worker_group imports it from here
 from cluster.spec.schedule import Schedule, StopRequest, Window, merge_windows, skip_windows
@@ -89,11 +88,50 @@ class _EpochTally:
         for k, v in metrics.items():
             self.metric_sums[k] = self.metric_sums.get(k, 0.0) + v
 
+    def result(
+        self,
+        rank: int,
+        epoch: int,
+        global_step: int,
+        loss: float,
+        seconds: float,
+        rows: list[dict[str, Any]],
+        commits: list[CommitRecord],
+        stopped: bool,
+        early: bool,
+        best: dict[str, Any] | None,
+    ) -> EpochResult:
+        """The epoch's result for the driver: these sums, the mean loss over every rank (``loss``) and what
+        the epoch's end drained (rank 0's step rows, its commit records)."""
+        return EpochResult(
+            rank=rank,
+            epoch=epoch,
+            global_step=global_step,
+            steps=self.steps,
+            samples=self.samples,
+            skipped=self.skipped,
+            loss=loss,
+            seconds=seconds,
+            first_step_at=self.first_step_at,
+            input_wait_s=self.input_s,
+            step_rows=rows,
+            commits=commits,
+            metrics={k: float(v) / max(self.steps, 1) for k, v in self.metric_sums.items()},
+            stopped=stopped,
+            early_stopped=early,
+            best=best,
+        )
 
-LAST_COMMIT_RETRIES = 2
-"""Times a failed last checkpoint is written again as the group ends (``Worker.finish``)."""
-LAST_COMMIT_PAUSE_S = 2.0
-"""The pause before each such retry, times its number."""
+
+def _drain(rows: deque[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rank 0's buffered step rows, oldest first (thread-safe: the training thread appends while the
+    heartbeat thread drains)."""
+    out = []
+    while True:
+        try:
+            out.append(rows.popleft())
+        except IndexError:
+            return out
 
 
 class Worker:
@@ -111,6 +149,7 @@ class Worker:
         self.rank = rank
         self.world_size = world_size
         self.run_url = run_url
+        self.folder: RunFolder | None = None  # the run's, made at each ``setup`` (``cluster.run.folder``)
         self.attempt = attempt
         self.pos = RunPosition.start(cfg)  # the driver's skip windows join it at each setup
         self.session: TrainSession | None = None
@@ -131,9 +170,8 @@ class Worker:
         self._last_checkpoint = -1  # the newest checkpoint's step this process wrote or resumed from
         self._evals = Evaluations(cfg)
         self._train_ident: int | None = None
-        self._grad_norm: torch.Tensor | None = (
-            None  # the last step's, when it was taken (``cluster.rank.step.train_step``)
-        )
+        # the last step's gradient norm, when it was taken (``cluster.rank.step.train_step``)
+        self._grad_norm: torch.Tensor | None = None
         self._profiler: StepProfiler | None = None  # made by the first ``profile`` request
         self._divergence = Divergence(cfg.failures)
         self._replica = ReplicaGuard(cfg.failures.replica_check_steps)  # ranks compare their parameters
@@ -238,27 +276,9 @@ class Worker:
         others'; the ranks that did not fail wait in a collective until the driver ends them)."""
         where = user_frame(exc)
         detail: dict[str, Any] = {"phase": "setup", "where": where}
-        detail["every_rank"] = self._same_on_every_rank(f"{type(exc).__name__}\0{exc}\0{where}")
+        signature = f"{type(exc).__name__}\0{exc}\0{where}"
+        detail["every_rank"] = cdist.same_on_every_rank(self._store, self.rank, self.world_size, signature)
         return WorkerError(self.rank, step, type(exc).__name__, str(exc), traceback.format_exc(), detail)
-
-    def _same_on_every_rank(self, signature: str) -> bool:
-        if self.world_size == 1:
-            return True
-        store = self._store
-        if store is None:  # never connected: nothing to agree through
-            return False
-        keys = [f"cluster/setup_error/{r}" for r in range(self.world_size)]
-        try:
-            store.set(keys[self.rank], signature)
-            deadline = time.monotonic() + SETUP_AGREE_S
-            while not store.check(keys):
-                if time.monotonic() > deadline:
-                    return False  # another rank set up without this error (or is slower than the wait)
-                time.sleep(0.05)
-            return all(store.get(k).decode() == signature for k in keys)
-        except Exception as exc:  # the store went with rank 0's process: no agreement to be had
-            logger.warning("could not compare the set-up error with the other ranks': %s", exc)
-            return False
 
     def _setup(
         self,
@@ -278,8 +298,10 @@ class Worker:
         if peers is None and kept is not None:
             recovery.discard(kept)  # the driver chose the checkpoint: the survivor's state is not used
             kept = None
+        folder = self.folder = RunFolder.at(self.run_url, cfg.storage.options)
         if os.environ.get(PROBE_ENV):  # set by the driver: prove this node sees the driver's storage
-            check_probe(Storage(self.run_url, cfg.storage.options), os.environ[PROBE_ENV])
+            check_probe(folder.storage, os.environ[PROBE_ENV])
+        probe_reads = (folder.storage.reads, folder.storage.bytes_read)  # not the resume's
         device = cdist.pick_device(cfg.scaling.use_gpu, self.gpu_index)
         backend = join_group(self._store, host, port, self.rank, self.world_size, device, cfg, t)
         task = self.task  # a warm restart keeps it and its datasets
@@ -288,12 +310,14 @@ class Worker:
         self.inputs.open(device)  # loader processes start (once per process) while setup goes on
         t["task"] = time.time()
         sampler = sampler_for(self.dataset, self.rank, self.world_size, cfg)
-        store = self.faults.store(Storage(self.run_url, cfg.storage.options))
+        store = self.faults.store(folder.storage)
         if os.environ.get(GENERATION_ENV):  # set by the driver: its lease's generation (cluster.run.lease)
             store.fence = Fence(store.storage, int(os.environ[GENERATION_ENV])).check
-        model, optimizer, scheduler, resume, skipped = self._take_state(
-            kept, peers, rollback, raw_model, device, sampler, store, t
+        rank, size, pos, memory = self.rank, self.world_size, self.pos, self._memory
+        taken = recovery.take_state(
+            task, cfg, rank, size, pos, kept, peers, rollback, raw_model, device, sampler, store, memory, t
         )
+        model, optimizer, scheduler, resume, skipped, self.pos, self._last_checkpoint = taken
         self._memory.drop_after(self.pos.global_step)  # copies past it are of a path the run left
         sampler.order = self.pos.sampler_order  # the resumed run's (a new run's when nothing was resumed)
         self._replica.begin(raw_model, self.world_size, self.pos.global_step)  # every rank holds the same
@@ -317,8 +341,8 @@ class Worker:
             timings=t,
             allocator=self.allocator,
             niceness=set_niceness(cfg.scaling.worker_niceness),  # again: the group made its threads
-            storage_reads=store.storage.reads,
-            storage_read_bytes=store.storage.bytes_read,
+            storage_reads=store.storage.reads - probe_reads[0],
+            storage_read_bytes=store.storage.bytes_read - probe_reads[1],
             eval_batches=eval_batch_count(self._evals.dataset, cfg),
         )
         self.session = TrainSession(
@@ -335,55 +359,6 @@ class Worker:
             Schedule(cfg, sampler.steps_per_epoch),
         )
         return self.session
-
-    def _take_state(
-        self,
-        kept: TrainSession | None,
-        peers: PeerPlan | None,
-        rollback: Window | None,
-        raw_model: nn.Module,
-        device: torch.device,
-        sampler: ResumableDistributedSampler,
-        store: CheckpointStore,
-        t: dict[str, float],
-    ) -> tuple[DDP, torch.optim.Optimizer, Scheduler | None, ResumePoint, list[tuple[int, str]]]:
-        """Wrap the model and take the state to resume from (a peer's or a checkpoint's): the new
-        position becomes ``self.pos``."""
-        cfg, seed = self.cfg, self.cfg.training.seed
-        total_steps = sampler.steps_per_epoch * cfg.training.epochs
-        if peers is not None:
-            if kept is not None:
-                optimizer, scheduler = kept.optimizer, kept.scheduler
-            else:
-                optimizer, scheduler = self._optimizer(raw_model, total_steps)
-            # the same on every rank (a survivor's own may differ from a newcomer's)
-            self._last_checkpoint = -1
-            resume, self.pos = recovery.receive(
-                peers, self.rank, self.world_size, seed, device, raw_model, optimizer, scheduler, self.pos
-            )
-            t["peer_transfer"] = time.time()
-            # every rank now holds the verified same parameters and buffers: DDP's own broadcast of rank
-            # 0's (a model's worth of collectives across the whole group) would only repeat that
-            model = ddp.wrap(raw_model, device, cfg, sync=False)
-            t["ddp"] = time.time()
-            return model, optimizer, scheduler, resume, []
-        model = ddp.wrap(raw_model, device, cfg)
-        optimizer, scheduler = self._optimizer(raw_model, total_steps)
-        t["ddp"] = time.time()
-        resume, skipped, self.pos = recovery.resume(
-            store, self.rank, cfg, raw_model, optimizer, scheduler, self.pos, sampler, rollback, self._memory
-        )
-        # a checkpoint resumed from exists: an evaluation there never writes it again; any other state
-        # (a copy in memory, the run's start) leaves the checkpoints this process wrote on another path
-        self._last_checkpoint = resume.global_step if resume.source == "checkpoint" else -1
-        t["checkpoint_load"] = time.time()
-        return model, optimizer, scheduler, resume, skipped
-
-    def _optimizer(
-        self, raw_model: nn.Module, total_steps: int
-    ) -> tuple[torch.optim.Optimizer, Scheduler | None]:
-        optimizer = ddp.build_optimizer(self.task, raw_model, self.cfg.training.zero)
-        return optimizer, self.task.build_scheduler(optimizer, total_steps)
 
     def _session(self) -> TrainSession:
         if self.session is None:
@@ -456,7 +431,8 @@ class Worker:
         if evaluate_first and self._evals.dataset is not None:
             self._evaluate(s)
             early = p.best.stop_due(p.global_step)
-            self._maybe_checkpoint(s, early)
+            if self._checkpoint_due(early):
+                self._checkpoint(s)
         stopped = False
         for local_idx in s.sampler if not early else ():
             if self._stop.due(dispatch, p.global_step, self.cfg.failures.process_group_timeout_s):
@@ -546,10 +522,6 @@ class Worker:
         step = self.pos.global_step
         return (due or self._evals.best_at == step) and self._last_checkpoint != step
 
-    def _maybe_checkpoint(self, s: TrainSession, due: bool) -> float:
-        """Checkpoint this step when :meth:`_checkpoint_due`; rank 0's stall in seconds."""
-        return self._checkpoint(s) if self._checkpoint_due(due) else 0.0
-
     def _journal(self, s: TrainSession, row: dict[str, Any]) -> None:
         """Keep rank 0's step row for the next commit, which writes the rows up to its step beside it
         (``CheckpointWriter.save``): a driver that dies before it writes them does not take them along."""
@@ -567,35 +539,17 @@ class Worker:
         at_end = not stopped and p.step_in_epoch == sched.steps_per_epoch
         if at_end and not early:
             early = self._maybe_evaluate(s)  # before the checkpoint of the same step
-        if asked or at_end:  # a stop's: a move without peers, a notice too short
-            self._maybe_checkpoint(s, asked or sched.checkpoint(p.global_step, epoch) or early)
-        totals = torch.tensor([float(tally.loss_sum), float(tally.steps)], dtype=torch.float64)
-        if s.device.type == "cuda":
-            totals = totals.to(s.device)
-        dist.all_reduce(totals)
-        mean_loss = float(totals[0]) / max(float(totals[1]), 1.0)
+        due = asked or (at_end and sched.checkpoint(p.global_step, epoch)) or early  # asked: a stop's
+        if (asked or at_end) and self._checkpoint_due(due):  # (a move without peers, a notice too short)
+            self._checkpoint(s)
+        mean_loss = cdist.mean_over_ranks(float(tally.loss_sum), float(tally.steps), s.device)
         self._divergence.agree(mean_loss)
-        self._divergence.check(
-            mean_loss, p.global_step, "the epoch's mean loss"
-        )  # every rank alike: all stop
-        steps = tally.steps
-        return EpochResult(
-            rank=self.rank,
-            epoch=epoch,
-            global_step=p.global_step,
-            steps=steps,
-            samples=tally.samples,
-            skipped=tally.skipped,
-            loss=mean_loss,
-            seconds=time.perf_counter() - tally.started,
-            first_step_at=tally.first_step_at,
-            input_wait_s=tally.input_s,
-            step_rows=self._drain_rows(),
-            commits=s.writer.drain() if s.writer else [],
-            metrics={k: float(v) / max(steps, 1) for k, v in tally.metric_sums.items()},
-            stopped=stopped,
-            early_stopped=early,
-            best=dict(p.best.state) if early and p.best.state is not None else None,
+        self._divergence.check(mean_loss, p.global_step, "the epoch's mean loss")  # every rank alike
+        seconds = time.perf_counter() - tally.started
+        rows, commits = _drain(self._rows), s.writer.drain() if s.writer else []
+        best = dict(p.best.state) if early and p.best.state is not None else None
+        return tally.result(
+            self.rank, epoch, p.global_step, mean_loss, seconds, rows, commits, stopped, early, best
         )
 
     def _skip_step(self, s: TrainSession) -> None:
@@ -692,27 +646,18 @@ class Worker:
             self._last_step_at,
             self._max_step_time,
             self._in_epoch,
-            rows=self._drain_rows(),
+            rows=_drain(self._rows),
             pace=self._pace.take(),
             eval_batches=self._evals.batches,
             first_step_at=self._first_step_at,
         )
 
-    def _drain_rows(self) -> list[dict[str, Any]]:
-        """Rank 0's buffered step rows, oldest first (thread-safe: the training thread appends while the
-        heartbeat thread drains)."""
-        out = []
-        while True:
-            try:
-                out.append(self._rows.popleft())
-            except IndexError:
-                return out
-
     def profile(self, req_id: str, steps: int, folder: str) -> None:
         """Record the next ``steps`` training steps with ``torch.profiler`` into ``<run>/<folder>/``
         (``cluster.rank.profiling``); served by the actor's second thread, started by the training thread."""
-        if self._profiler is None:
-            self._profiler = StepProfiler(Storage(self.run_url, self.cfg.storage.options), self.rank)
+        if self._profiler is None:  # the setup's folder (a profile is asked for while an epoch trains)
+            run = self.folder or RunFolder.at(self.run_url, self.cfg.storage.options)
+            self._profiler = StepProfiler(run.storage, self.rank)
         self._profiler.request(ProfileRequest(req_id, steps, folder))
 
     def finish(self) -> list[CommitRecord]:
@@ -726,33 +671,10 @@ class Worker:
         cdist.bind_thread(self.session.device if self.session is not None else None)
         writer.close(flush=True)
         records = writer.drain()
-        return records + self._rewrite_failed_last()
-
-    def _rewrite_failed_last(self) -> list[CommitRecord]:
-        """Rank 0, as the group ends: when the newest checkpoint asked for (at the step the ranks stand at)
-        failed to commit, write it again from the live state, up to ``LAST_COMMIT_RETRIES`` times with a
-        pause (storage already retried each file). A sharded optimizer's state needs every rank (a
-        collective): not retried here. Returns the new records."""
         s, step = self.session, self._last_checkpoint
-        if s is None or s.writer is None or step != self.pos.global_step or ddp.is_zero(s.optimizer):
-            return []
-        out: list[CommitRecord] = []
-        for attempt in range(1, LAST_COMMIT_RETRIES + 1):
-            last = s.writer.last  # the epoch's result may have reported it already: not in ``records``
-            if last is None or last.step != step or not last.error:
-                break
-            logger.warning(
-                "checkpoint at step %d failed (%s): writing it again (%d/%d)",
-                step,
-                last.error,
-                attempt,
-                LAST_COMMIT_RETRIES,
-            )
-            time.sleep(LAST_COMMIT_PAUSE_S * attempt)
-            self._checkpoint(s)
-            s.writer.wait()
-            out += s.writer.drain()
-        return out
+        if s is None or step != self.pos.global_step or ddp.is_zero(s.optimizer):
+            return records  # a sharded optimizer's state needs every rank (a collective): not written again
+        return records + write_again(writer, step, lambda: self._checkpoint(s))
 
     def shutdown(self) -> None:
         if self.session is not None and self.session.writer is not None:
@@ -811,11 +733,6 @@ class Worker:
         self._max_step_time = 0.0
         self._last_step_at = time.time()
         self.faults = Faults(self.cfg, rank, attempt)
-
-
-SETUP_AGREE_S = 5.0
-"""How long a rank that failed in set-up waits for the other ranks' errors, to tell an error every rank
-raises (a bug: the run stops) from one rank's (retried)."""
 
 
 def user_frame(exc: BaseException) -> str:

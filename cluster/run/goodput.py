@@ -428,9 +428,9 @@ def goodput_of(events: list[dict[str, Any]], driver: dict[str, Any] | None = Non
 
 def run_goodput(run_url: str, storage_options: dict[str, Any] | None = None) -> Goodput | None:
     """The goodput account of the run at ``run_url`` (None for a run written before the ledger existed)."""
+    from cluster.run.folder import RunFolder
     from cluster.run.logs import read_event_log
     from cluster.run.requests import read_driver_file
-    from cluster.run.storage import Storage
 
-    storage = Storage(run_url, storage_options)
+    storage = RunFolder.at(run_url, storage_options).storage
     return goodput_of(read_event_log(storage), read_driver_file(storage))

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cluster.core.errors import FencedError, LeaseHeldError, StorageError
-from cluster.core.urls import join, normalize_url
+from cluster.run.folder import RunFolder
 from cluster.run.storage import Storage
 
 if TYPE_CHECKING:
@@ -268,12 +268,16 @@ class Lease:
 
     @classmethod
     def take_for(
-        cls, cfg: JobConfig, takeover: bool = False, say: Callable[[str], None] | None = None
+        cls,
+        cfg: JobConfig,
+        takeover: bool = False,
+        say: Callable[[str], None] | None = None,
+        folder: RunFolder | None = None,
     ) -> Lease:
-        """Take the lease of ``cfg``'s run (``<storage.url>/<name>``) for this job (its Ray submission id,
-        else this process) before anything is written; ``say`` (default: print) tells of a holder watched
-        or taken over."""
-        run = Storage(join(normalize_url(cfg.storage.url), cfg.name), cfg.storage.options)
+        """Take the lease of ``cfg``'s run (``<storage.url>/<name>``; ``folder``, when the caller made it
+        already) for this job (its Ray submission id, else this process) before anything is written;
+        ``say`` (default: print) tells of a holder watched or taken over."""
+        run = (folder or RunFolder.of(cfg)).storage
         job = os.environ.get("RAY_JOB_SUBMISSION_ID") or f"python pid {os.getpid()}"
         return cls.take(run, job, takeover=takeover, say=say or print)
 

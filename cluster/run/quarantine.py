@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cluster.core.errors import ConfigError, Failure, LeaseHeldError
+from cluster.run.folder import RunFolder
 from cluster.run.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -310,7 +311,7 @@ def unquarantine(
     from cluster.run.lease import Lease
     from cluster.run.logs import EventLog
 
-    storage = Storage(run_url, storage_options)
+    storage = RunFolder.at(run_url, storage_options).storage
     by = f"{getpass.getuser()}@{socket.gethostname()}"
     try:
         lease = Lease.take(storage, f"unquarantine by {by}", say=say)

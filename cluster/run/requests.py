@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from cluster.run.folder import RunFolder
 from cluster.run.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ def request_stop(
 ) -> StopRequest:
     """Ask the job training the run at ``run_url`` (``<storage.url>/<name>``) to stop at its next step with
     a checkpoint there. Returns at once; the job's ``stopped`` event says where it stopped (module doc)."""
-    return write_stop_request(Storage(run_url, storage_options), reason)
+    return write_stop_request(RunFolder.at(run_url, storage_options).storage, reason)
 
 
 def write_stop_request(run: Storage, reason: str | None = None) -> StopRequest:

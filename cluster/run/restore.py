@@ -15,6 +15,7 @@ from torch import nn
 from cluster.core.errors import CheckpointError, ConfigError, StorageError
 from cluster.core.urls import url_problem
 from cluster.run.checkpoint import CKPT_DIR, CheckpointStore, best_of, deserialize, score_of
+from cluster.run.folder import RunFolder
 from cluster.run.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ def _open(url_or_run: str, storage_options: dict[str, Any] | None) -> tuple[Stor
     m = _STEP_URL.match(url_or_run.rstrip("/"))
     if m is not None:
         url_or_run, step = m["run"], int(m["step"])
-    storage = Storage(url_or_run, storage_options)
+    storage = RunFolder.at(url_or_run, storage_options).storage
     if not storage.exists("run.json") and not storage.listdir(CKPT_DIR):
         raise CheckpointError(
             f"{storage.root} is not a run: it has neither run.json nor {CKPT_DIR}/; pass the run's folder "
