@@ -354,6 +354,9 @@ def test_hot_spare_replaces_a_killed_worker(reference: dict, tmp_path: object) -
     assert ready["attempt"] == 0 and ready["prepare_s"] > 0
     (recovered,) = events(run_url, "recovered")
     assert recovered["reused_workers"] == 2  # the survivor and the spare: no process was started
+    # never worse than without the spare: the state from the survivor's memory, not from storage
+    assert recovered["source"] == "peers" and recovered["storage_reads"] == 0, recovered
+    assert recovered["lost_steps"] <= 1, recovered
     assert_bitwise_equal(final_model(run_url), reference)
 
 
