@@ -15,9 +15,10 @@ group's mode is one value (``Driver.mode``: nothing, a stop, a grow or a move, s
 what it trained and acts on it.
 
 What the driver leaves to others: the run's record (events, console lines, metric rows, tracking:
-``cluster.driver.record``), the decisions on failures (``cluster.driver.policy``), on drains, slow ranks and
-growing back (``cluster.driver.moves``; the group's mode changes in ``cluster.driver.modes``, a base of
-``Driver``), the words of the ends it decides on (``cluster.driver.outcomes``), a group's set-up errors
+``cluster.driver.record``, a listener to what the driver announces: ``cluster.driver.listeners``), the
+decisions on failures (``cluster.driver.policy``), on drains, slow ranks and growing back
+(``cluster.driver.moves``; the group's mode changes in ``cluster.driver.modes``, a base of ``Driver``), the
+words of the ends it decides on (``cluster.driver.outcomes``), a group's set-up errors
 (``cluster.driver.starting``), the run's requests (stop, time limit, stacks, profiles:
 ``cluster.driver.control``), the gang of workers (``cluster.seam.protocol``), and the entry points
 (``cluster.api.train``).
@@ -44,6 +45,7 @@ from cluster.core.errors import (
 )
 from cluster.driver.control import DriverBeat, RunControl, dump_stacks
 from cluster.driver.hang import hang_failure
+from cluster.driver.listeners import Announcer, DriverListener
 from cluster.driver.modes import GroupModes
 from cluster.driver.moves import MoveWatch
 from cluster.driver.outcomes import (
@@ -121,10 +123,12 @@ class Driver(GroupModes):
         self.run_url = self.folder.url
         self.record = RunRecord(cfg, self.storage, out or sys.stdout)
         self.record.t0 = started_at or time.time()  # the goodput ledger's start (``cluster.run.goodput``)
+        self.announce: DriverListener = Announcer(self.record)
+        """Where the driver says what happened (``cluster.driver.listeners``); the record listens first."""
         self.control = RunControl(self.storage, cfg.training.time_limit_s)
-        self.moves = MoveWatch(cfg, self.record)
+        self.moves = MoveWatch(cfg, self.announce)
         self.quarantine = Quarantine(
-            self.storage, cfg.failures.quarantine_after, self.record.event, self._keep_off
+            self.storage, cfg.failures.quarantine_after, self.announce.event, self._keep_off
         )
         """Nodes kept out of the run after repeated incidents (``cluster.run.quarantine``)."""
         self.quarantine.room = self._room_without
@@ -161,7 +165,7 @@ class Driver(GroupModes):
         self.record.out = out
 
     def run(self) -> Result:
-        lease = self.lease or Lease.take_for(self.cfg, self.takeover, self.record.print, self.folder)
+        lease = self.lease or Lease.take_for(self.cfg, self.takeover, self.announce.print, self.folder)
         self.lease = lease
         lease.start()
         try:
@@ -176,13 +180,7 @@ class Driver(GroupModes):
         self.quarantine.fence = lease.check
         self._prepare_storage()
         self.quarantine.load()  # an earlier submission's quarantined nodes stay out
-        self.record.event(
-            "run_start",
-            attempt=self.attempt,
-            config=self.cfg.to_dict(),
-            lease=lease.generation,
-            took_over=lease.took_over.describe() if lease.took_over is not None else None,
-        )
+        self.announce.run_start(self.attempt, lease)
         beat = DriverBeat(self.control.storage, self._beat_fields, fence=lease.check)  # `list`/`show`
         beat.start()
         try:
@@ -196,7 +194,7 @@ class Driver(GroupModes):
                 except Exception as exc:  # the run's outcome stands; its workers go with the job
                     logger.warning("shutting the workers down failed: %s: %s", type(exc).__name__, exc)
                 self.group = None
-            self.record.close_tracking(self.state.name, isinstance(self.state, Finished))
+            self.announce.run_ended(self.state.name, isinstance(self.state, Finished))
             beat.stop()
         result = result_of(self)
         if isinstance(self.state, Failed):
@@ -214,7 +212,8 @@ class Driver(GroupModes):
     def _transition(self, new: State) -> None:
         """The only place the state changes."""
         logger.debug("state %s -> %s (%s)", self.state.name, new.name, new.describe())
-        self.state = new
+        previous, self.state = self.state, new
+        self.announce.state_changed(previous, new)
 
     def _guarded_step(self, state: State) -> State:
         """``_step``, where an error no state handles (an actor's error or time-out while finishing,
@@ -239,7 +238,7 @@ class Driver(GroupModes):
 
     def _record_failed(self, exc: BaseException) -> None:
         try:
-            self.record.run_failed(exc)
+            self.announce.run_failed(exc)
         except StorageError as err:  # the error itself is what the user must see
             logger.warning("could not record the run's failure: %s", err)
 
@@ -271,7 +270,7 @@ class Driver(GroupModes):
             return Starting()
         self.global_step, self.epoch = info.step, info.epoch
         self.stopped_early = info.epoch < epochs  # ended by early stopping
-        self.record.already_complete(self.global_step, self.stopped_early)
+        self.announce.already_complete(self.global_step, self.stopped_early)
         return Finished()
 
     # ------------------------------------------------------------------ starting
@@ -280,7 +279,7 @@ class Driver(GroupModes):
         target, minimum = cfg.scaling.num_workers, cfg.effective_min_workers
         t0 = time.time()
         group = self.group = self._new_group(s)
-        self.record.ledger.reserving(t0)
+        self.announce.reserving(t0)
         try:
             # A stop asked while Ray has no room ends the run here; one asked when the group can start (a
             # backoff's, a signal at start-up) is acted on at its first step, with a checkpoint there.
@@ -288,16 +287,16 @@ class Driver(GroupModes):
                 list(range(target, minimum - 1, -1)), cfg.scaling.resource_wait_s, self.control.stop_asked
             )
         except ResourcesUnavailableError as exc:
-            self.record.event("failed", reason=str(exc))
+            self.announce.event("failed", reason=str(exc))
             return self._fail(exc)
         except StartCancelled as exc:
             return self._stop_unstarted(str(exc), s.salvage)
         t_reserved = time.time()
-        self.record.ledger.reserved(t_reserved)
+        self.announce.reserved(t_reserved)
         if n < target and s.move is None:  # a shrink for a drain is recorded with its own reason
-            self.record.shrunk(self.world_size or target, n)
+            self.announce.shrunk(self.world_size or target, n)
             if self.quarantine.nodes:
-                self.record.print(f"[{cfg.name}] smaller: {self.quarantine.wait_note()}")
+                self.announce.print(f"[{cfg.name}] smaller: {self.quarantine.wait_note()}")
         infos = set_up(group, n, s.peers, self.skips, self._rollback)
         if isinstance(infos, Failure):
             return self._on_failure(infos)
@@ -325,24 +324,17 @@ class Driver(GroupModes):
         self.world_size, self.steps_per_epoch = len(infos), head.steps_per_epoch
         self.epoch, self.global_step = r.epoch, r.global_step
         self.skips = merge_windows([*self.skips, *r.skipped_steps])  # a checkpoint's (an earlier driver's)
-        self.record.ledger.skips = list(self.skips)  # steps that train no batch are neither kept nor redone
-        self.record.skipped_checkpoints(head)
-        if r.rollback is not None:
-            self.record.rollback(r.rollback, r.global_step)
         self._rollback = None
         assert self.group is not None
-        self.record.group_started(self.attempt, infos, seconds, self.group.spare_note, self.steps_per_epoch)
-        self.record.started()
+        spare_note = self.group.spare_note
         self._spare_announced = False
         self.moves.new_group(infos)
         c = self.cfg.checkpoint
         warmup = self.cfg.failures.hang_warmup_steps
         self._hang_stats = HangStats(r.global_step, warmup, c.every_steps > 0 or c.every_epochs > 0)
-        self.record.eval_total = head.eval_batches
         if s.recovery is not None:
             s.recovery.group_started(t_reserved, t_ready, infos, r.global_step)
-        if s.move is not None:
-            self.record.moved(s.move, infos, t_ready)
+        self.announce.group_ready(self.attempt, infos, seconds, spare_note, self.skips, s.move, t_ready)
         return Running(r.epoch, r.step_in_epoch, recovery=s.recovery)
 
     # ------------------------------------------------------------------ training
@@ -392,7 +384,7 @@ class Driver(GroupModes):
         may_move = self.mode is None and not self.stopping
         self._apply(self.moves.pace(beats, watch.max_step, self.attempt, may_move, self.world_size))
         self._announce_spare()
-        self.record.live(beats, watch.max_step)
+        self.announce.live(beats, watch.max_step)
         return hung
 
     def _epoch_done(self, s: Running, head: EpochResult, wall_s: float) -> State:
@@ -422,9 +414,7 @@ class Driver(GroupModes):
     def _record_epoch(self, head: EpochResult, wall_s: float, recovery: RecoveryTiming | None) -> None:
         self.global_step = head.global_step
         self._announce_spare()
-        self.record.epoch(head, wall_s, self.world_size, self.attempt, self.steps_per_epoch)
-        if recovery is not None and head.first_step_at is not None:
-            self.record.recovered(recovery, head.first_step_at)
+        self.announce.epoch_ended(head, wall_s, self.world_size, self.attempt, self.steps_per_epoch, recovery)
         self.epoch = head.epoch + 1
         self._streak = 0
 
@@ -437,9 +427,7 @@ class Driver(GroupModes):
             next_state = self._after_epoch(head)
             self._record_epoch(head, wall_s, recovery)
             return next_state
-        self.record.partial(head, self.attempt)
-        if recovery is not None and head.first_step_at is not None:
-            self.record.recovered(recovery, head.first_step_at)
+        self.announce.stretch_ended(head, self.attempt, recovery)
         self.global_step = head.global_step
         return None
 
@@ -456,7 +444,7 @@ class Driver(GroupModes):
             else:
                 self._record_stretch(head, wall_s, s.recovery, whole=False)
             self.stopped_early = True
-            self.record.early_stopped(head)
+            self.announce.early_stopped(head)
             return Finishing(loss=head.loss)
         if isinstance(mode, Move) and not mode.stopping:  # the move was still being prepared
             self.mode = mode
@@ -469,20 +457,20 @@ class Driver(GroupModes):
         if isinstance(next_state, Finishing):
             return next_state  # that was the last epoch: the run is done, not stopped
         assert self.group is not None
-        self.record.ledger.enter("checkpoint_stall")
+        self.announce.phase("checkpoint_stall")
         commits = self.group.finish()  # the stop's checkpoint is committed before the workers go
-        self.record.commits(commits)
+        self.announce.commits(commits)
         committed = any(c.step == head.global_step and not c.error for c in [*head.commits, *commits])
         return self._end_stopped(committed)
 
     def _finish(self, s: Finishing) -> State:
         assert self.group is not None
-        self.record.ledger.enter("checkpoint_stall")  # the final checkpoint's flush
-        self.record.commits(self.group.finish())
+        self.announce.phase("checkpoint_stall")  # the final checkpoint's flush
+        self.announce.commits(self.group.finish())
         if self.record.committed.get(self.global_step) is False:  # the final checkpoint did not commit
             store, error = CheckpointStore(self.storage), self.record.last_commit_error
             return self._fail(final_commit_failed(store, self.global_step, error))
-        self.record.finished(self.global_step, s.loss, self.attempt + 1)
+        self.announce.finished(self.global_step, s.loss, self.attempt + 1)
         return Finished()
 
     def _commits_failing(self) -> Failed | None:
@@ -497,9 +485,9 @@ class Driver(GroupModes):
     def _resize(self, s: Resizing) -> State:
         """Grow back at an epoch boundary: the epoch-end checkpoint is flushed, then a new gang starts."""
         assert self.group is not None
-        self.record.ledger.enter("starting")  # a grow: the new gang starts (and may wait for room)
-        self.record.commits(self.group.finish())
-        self.record.grown(self.world_size, s.new_size, self.global_step)
+        self.announce.phase("starting")  # a grow: the new gang starts (and may wait for room)
+        self.announce.commits(self.group.finish())
+        self.announce.grown(self.world_size, s.new_size, self.global_step)
         self.group.shutdown(graceful=True)
         self.group = None
         self.attempt += 1
@@ -512,18 +500,18 @@ class Driver(GroupModes):
         m, group, head = s.move, self.group, s.results[0]
         commits = group.finish()  # the checkpoint the stop asked for is committed before anything goes
         next_state = self._record_stretch(head, s.wall_s, s.recovery, whole=not head.stopped)
-        self.record.ledger.enter("moves")
+        self.announce.phase("moves")
         if isinstance(next_state, Finishing | Resizing):
-            self.record.commits(commits)
+            self.announce.commits(commits)
             return next_state
         epoch, start = (head.epoch + 1, 0) if not head.stopped else (head.epoch, s.start_step + head.steps)
-        self.record.commits(commits)
+        self.announce.commits(commits)
         committed = any(c.step == head.global_step and not c.error for c in [*head.commits, *commits])
         if not m.replaced:
-            self.record.preemption_checkpoint(m, head.global_step, committed)
+            self.announce.preemption_checkpoint(m, head.global_step, committed)
             survivors = self.world_size - len(m.ranks)
             if survivors < max(1, self.cfg.effective_min_workers):
-                self.record.print(
+                self.announce.print(
                     f"[{self.cfg.name}] continuing on all {self.world_size} ranks until the node goes "
                     f"(scaling.min_workers={self.cfg.effective_min_workers} rules out {survivors})"
                 )
@@ -557,7 +545,7 @@ class Driver(GroupModes):
     def _end_stopped(self, committed: bool, note: str | None = None) -> Stopped:
         req = self.control.stop
         assert req is not None
-        self.record.stopped(req.reason, req.requested_at, self.global_step, committed, note)
+        self.announce.stopped(req.reason, req.requested_at, self.global_step, committed, note)
         self.control.clear_stop(self.storage)
         return Stopped()
 
@@ -565,7 +553,7 @@ class Driver(GroupModes):
     def _on_failure(self, failure: Failure, seen_step: int | None = None) -> Recovering:
         self.failures.append(failure)
         self._streak += 1
-        self.record.failure(failure, self.attempt, seen_step)
+        self.announce.failure(failure, self.attempt, seen_step)
         if isinstance(self.state, Running):  # the ranks' nodes are known once a group is set up
             step = seen_step or self.global_step
             self.quarantine.failure(failure, step, self.moves.rank_nodes, self.moves.rank_hosts)
@@ -577,7 +565,7 @@ class Driver(GroupModes):
         if self.stopping:  # asked to stop: no restart, whatever the failure
             self.mode = None
             self._drop_group()
-            self.record.flush_rows([], self.epoch, self.attempt)  # the heartbeats' rows: nothing is lost
+            self.announce.flush_rows([], self.epoch, self.attempt)  # the heartbeats' rows: nothing is lost
             return self._end_stopped(False, f"a failure during the stop: {failure.kind}, rank {failure.rank}")
         decision = self.policy.decide(failure, self.failures, self._streak)
         salvage: Salvage | None = None
@@ -591,19 +579,19 @@ class Driver(GroupModes):
             timing.spare = salvage.spare if salvage is not None else None
             self.group = None
         timing.t_teardown = time.time()
-        self.record.flush_rows(salvage.rows if salvage is not None else [], self.epoch, self.attempt)
+        self.announce.flush_rows(salvage.rows if salvage is not None else [], self.epoch, self.attempt)
         if failure.kind == "replica_mismatch":  # no checkpoint after the last agreeing check is used again
             fence = self.lease.check if self.lease is not None else None
             hosts, nodes = self.moves.rank_hosts, self.moves.rank_nodes
             after_mismatch(
-                failure, self.storage, fence, self.cfg, self.record.event, hosts, nodes, self.quarantine
+                failure, self.storage, fence, self.cfg, self.announce.event, hosts, nodes, self.quarantine
             )
         plan = peer_plan(self.cfg, failure, salvage, timing) if decision.restart else None
         window = rollback_window(self.cfg, failure) if decision.restart else None
         if window is not None:
             self._rollback = window
             self.skips = merge_windows([*self.skips, window])
-        self.record.decision(decision, plan, timing.fallback, window)
+        self.announce.decision(decision, plan, timing.fallback, window)
         if not decision.restart:
             detail = failure.error.traceback if failure.error is not None else failure.message
             return self._fail(
@@ -645,7 +633,7 @@ class Driver(GroupModes):
         """One heartbeat round; keeps the step rows rank 0 streams with it."""
         assert self.group is not None
         beats = self.group.heartbeats(timeout=timeout)
-        self.record.beat_rows(beats, self.epoch, self.attempt)
+        self.announce.heartbeat(beats, self.epoch, self.attempt)
         return beats
 
     def _announce_spare(self) -> None:
@@ -656,7 +644,7 @@ class Driver(GroupModes):
         prepare_s = self.group.spare_ready()
         if prepare_s is not None:
             self._spare_announced = True
-            self.record.spare_ready(self.attempt, prepare_s)
+            self.announce.spare_ready(self.attempt, prepare_s)
 
     def _poll_s(self, watch: HangWatch) -> float:
         """Seconds between heartbeats (``HangWatch.heartbeat_every``), a terminal's live bar's or not."""

@@ -11,6 +11,7 @@ below): it keeps the decisions on modes in one place, apart from the states' ste
 from __future__ import annotations
 
 from cluster.driver.control import RunControl, answer_requests, grace_note
+from cluster.driver.listeners import DriverListener
 from cluster.driver.moves import Decision, MoveWatch, carry_out
 from cluster.driver.record import RunRecord
 from cluster.driver.states import Grow, Mode, Stop
@@ -28,6 +29,7 @@ class GroupModes:
     moves: MoveWatch
     control: RunControl
     record: RunRecord
+    announce: DriverListener
     quarantine: Quarantine
     world_size: int
     global_step: int
@@ -86,7 +88,7 @@ class GroupModes:
             self._drop_mode()
         step = self.mode.step if isinstance(self.mode, Grow) else self.group.stop(checkpoint=True)
         self.mode = Stop(step)
-        self.record.stop_requested(req.reason, step, grace_note(req.reason))
+        self.announce.stop_requested(req.reason, step, grace_note(req.reason))
 
     def _step_seen(self) -> int:
         return max(self.global_step, self._seen_step)

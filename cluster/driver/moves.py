@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from cluster.driver.listeners import DriverListener
 from cluster.driver.policy import SlowRankWatch
-from cluster.driver.record import RunRecord
 from cluster.driver.states import Grow, Mode
 from cluster.seam.preemption import DrainNotice, Move
 from cluster.seam.protocol import SetupInfo, WorkerGroup
@@ -102,9 +102,9 @@ def stop_for(group: WorkerGroup, m: Move) -> None:
 class MoveWatch:
     """Drains, slow-rank moves and growing back (module doc). ``new_group`` is called for each group."""
 
-    def __init__(self, cfg: JobConfig, record: RunRecord) -> None:
+    def __init__(self, cfg: JobConfig, announce: DriverListener) -> None:
         self.cfg = cfg
-        self.record = record
+        self.announce = announce
         self.drained: set[str] = set()  # nodes whose notice was acted on (never twice)
         self.slow_nodes: set[str] = set()  # nodes a slow rank was moved off: no replacement goes there
         self.rank_hosts: list[str] = []  # the current group's, by rank
@@ -159,7 +159,7 @@ class MoveWatch:
         stays = len(ranks) < world_size
         via = "peers" if f.recover_from_peers and f.warm_restart and stays else "checkpoint"
         m = Move(notices, ranks, via, now, None, nodes={n.node_id for n in notices})
-        self.record.preemption_notice(m, now, step)
+        self.announce.preemption_notice(m, now, step)
         if m.deadline is not None:
             m.must_stop_by = m.deadline - f.preemption_margin_s
         self.drained |= m.nodes
@@ -184,7 +184,7 @@ class MoveWatch:
                 if status.startswith("failed")
                 else f"no room on another node within scaling.resource_wait_s={wait_s:g}s"
             )
-            self.record.slow_rank_move_failed(m.ranks, why)
+            self.announce.slow_rank_move_failed(m.ranks, why)
             return Cancel(m, stop=False)
         if status == "ready":
             m.replaced = True
@@ -215,9 +215,9 @@ class MoveWatch:
             return None
         became, cleared = self.slow.update(beats)
         for r in became:
-            self.record.slow_rank(r, self.host(r.rank), step, attempt)
+            self.announce.slow_rank(r, self.host(r.rank), step, attempt)
         for r in cleared:
-            self.record.slow_rank_cleared(r.rank, self.host(r.rank), step, attempt)
+            self.announce.slow_rank_cleared(r.rank, self.host(r.rank), step, attempt)
         if not became or self.cfg.failures.slow_rank_action != "move":
             return None
         rank = became[0].rank
@@ -228,7 +228,7 @@ class MoveWatch:
         self.slow_nodes.add(node)
         via = "peers" if f.recover_from_peers and f.warm_restart else "checkpoint"
         m = Move([DrainNotice(node, (rank,), None)], [rank], via, time.time(), None, nodes={node}, slow=True)
-        self.record.slow_rank_move(rank, self.host(rank), node, step, via)
+        self.announce.slow_rank_move(rank, self.host(rank), node, step, via)
         return Prepare(m, avoid=sorted(self.slow_nodes))
 
     # ------------------------------------------------------------------ growing back

@@ -21,11 +21,13 @@ import torch
 from cluster.core.errors import ConfigError, Failure, StorageError
 from cluster.core.events import console_line
 from cluster.core.redact import redact_text, redact_tree
+from cluster.driver.listeners import DriverListener
 from cluster.driver.policy import Decision, SlowRank
 from cluster.driver.states import RecoveryTiming
 from cluster.driver.tracking import MlflowSink, Sink, TensorBoardSink, Tracker, WebhookSink
 from cluster.run.checkpoint import CheckpointInfo, CheckpointStore, CommitRecord, step_dir
 from cluster.run.goodput import Ledger, ledger_for
+from cluster.run.lease import Lease
 from cluster.run.logs import EventLog, ProgressDisplay, write_metrics
 from cluster.run.requests import read_driver_file
 from cluster.run.storage import Storage
@@ -42,8 +44,25 @@ SUBMISSIONS = "submissions"
 __version__ = "0.1.0"
 
 
-class RunRecord:
-    """Events, console lines, metric rows and tracking of one run (module doc)."""
+def slow_report(r: SlowRank, host: str, step: int, attempt: int) -> dict[str, Any]:
+    """A ``slow_rank`` event's fields (also ``Result.slow_ranks``)."""
+    return {
+        "rank": r.rank,
+        "host": host,
+        "step": step,
+        "attempt": attempt,
+        "ratio": round(r.ratio, 2),
+        "compute_ms": round(r.compute_s * 1000, 1),
+        "others_ms": round(r.others_s * 1000, 1),
+        "step_ms": round(r.step_s * 1000, 1),
+        "input_ms": round(r.input_s * 1000, 1),
+        "others_input_ms": round(r.others_input_s * 1000, 1),
+    }
+
+
+class RunRecord(DriverListener):
+    """Events, console lines, metric rows and tracking of one run (module doc): the driver's first listener
+    (``cluster.driver.listeners``)."""
 
     def __init__(self, cfg: JobConfig, storage: Storage, out: TextIO) -> None:
         self.cfg = cfg
@@ -89,7 +108,7 @@ class RunRecord:
         number = self._submit()
         previous = read_driver_file(self.storage) if history else None  # the last driver's last beat
         self.ledger = ledger_for(self.t0, number, history, previous)
-        self.tracker = self._make_tracker()
+        self.tracker = make_tracker(self.cfg, self.storage, self.events)
         if self.tracker is not None:
             self.events.listeners.append(self.tracker.event)
 
@@ -128,21 +147,17 @@ class RunRecord:
             self._started = True
             self._write_run_json()
 
-    def _make_tracker(self) -> Tracker | None:
-        tr = self.cfg.tracking
-        sinks: list[Sink] = []
-        if tr.tensorboard:
-            sinks.append(TensorBoardSink(self.storage))
-        if tr.mlflow_uri:
-            config = self.cfg.to_dict()
-            history = self.events.records()
-            sinks.append(
-                MlflowSink(tr.mlflow_uri, tr.mlflow_experiment, self.storage, config, self.cfg.name, history)
-            )
-        url = resolve_notify_url(tr)
-        if url:
-            sinks.append(WebhookSink(url, tr.notify_events, self.cfg.name, self.storage.root))
-        return Tracker(sinks, tr.queue_size, tr.flush_timeout_s) if sinks else None
+    def run_start(self, attempt: int, lease: Lease) -> None:
+        self.event(
+            "run_start",
+            attempt=attempt,
+            config=self.cfg.to_dict(),
+            lease=lease.generation,
+            took_over=lease.took_over.describe() if lease.took_over is not None else None,
+        )
+
+    def phase(self, name: str) -> None:
+        self.ledger.enter(name)
 
     def track(self, rows: list[dict[str, Any]]) -> None:
         """Hand metric rows to tracking (returns at once) and record what the sinks reported."""
@@ -152,7 +167,7 @@ class RunRecord:
         for event, fields in self.tracker.notes():
             self.events.append(event, **fields)
 
-    def close_tracking(self, status: str, finished: bool) -> None:
+    def run_ended(self, status: str, finished: bool) -> None:
         """Send the summary and wait for tracking (at most ``tracking.flush_timeout_s``); never raises."""
         tracker, self.tracker = self.tracker, None
         if tracker is None:
@@ -202,6 +217,12 @@ class RunRecord:
             patience=cfg.evaluation.patience,
         )
 
+    def reserving(self, at: float) -> None:
+        self.ledger.reserving(at)
+
+    def reserved(self, at: float) -> None:
+        self.ledger.reserved(at)
+
     def shrunk(self, old: int, new: int) -> None:
         s = self.cfg.scaling
         self.event(
@@ -213,18 +234,26 @@ class RunRecord:
             min_workers=self.cfg.effective_min_workers,
         )
 
-    def skipped_checkpoints(self, head: SetupInfo) -> None:
+    def group_ready(
+        self,
+        attempt: int,
+        infos: list[SetupInfo],
+        seconds: float,
+        spare_note: str,
+        skips: list[Window],
+        move: Move | None,
+        t_ready: float,
+    ) -> None:
+        """A group is set up: the steps it skips, the checkpoints it passed over, the rollback it made, the
+        live bar, the ``group_started`` event and its line saying where it starts (and this submission's
+        config in ``run.json``), and the move it finished."""
+        head, r = infos[0], infos[0].resume
+        self.ledger.skips = list(skips)  # steps that train no batch are neither kept nor redone
         for step, reason in head.skipped_checkpoints:
             self.event("checkpoint_skipped", step=step, reason=reason)
-
-    def group_started(
-        self, attempt: int, infos: list[SetupInfo], seconds: float, spare_note: str, steps_per_epoch: int
-    ) -> None:
-        """The group is set up: the live bar, the ``group_started`` event and its line saying where it
-        starts."""
-        head = infos[0]
-        self.display = ProgressDisplay(steps_per_epoch * self.cfg.training.epochs, self.out)
-        r = head.resume
+        if r.rollback is not None:
+            self.rollback(r.rollback, r.global_step)
+        self.display = ProgressDisplay(head.steps_per_epoch * self.cfg.training.epochs, self.out)
         self.ledger.started(attempt, r.global_step)
         niceness = sorted({i.niceness for i in infos})
         for note in niceness:
@@ -252,9 +281,13 @@ class RunRecord:
             allocator=sorted({i.allocator for i in infos}),
             niceness=niceness,
         )
+        self.started()
+        self.eval_total = head.eval_batches
+        if move is not None:
+            self.moved(move, infos, t_ready)
 
     # ------------------------------------------------------------------ training
-    def beat_rows(self, beats: list[Any], epoch: int, attempt: int) -> None:
+    def heartbeat(self, beats: list[Any], epoch: int, attempt: int) -> None:
         """The step rows rank 0 streams with its heartbeats: tracked at once, and written at least every
         ``metrics.flush_s`` (each time as a file of their own), so a driver killed mid-epoch loses at most
         that window of them."""
@@ -327,16 +360,17 @@ class RunRecord:
             step not in self.evaluated
         )
 
-    def epoch(
+    def epoch_ended(
         self,
         head: EpochResult,
         wall_s: float,
         world_size: int,
         attempt: int,
         steps_per_epoch: int,
+        recovery: RecoveryTiming | None,
     ) -> None:
-        """A whole epoch: its step rows and epoch row, its checkpoints, ``epoch_end`` and the console's
-        epoch line."""
+        """A whole epoch: its step rows and epoch row, its checkpoints, ``epoch_end``, the console's epoch
+        line and, the first after a recovery, ``recovered``."""
         assert self.display is not None
         cfg = self.cfg
         samples_per_s = head.samples / wall_s if wall_s > 0 else 0.0
@@ -385,9 +419,12 @@ class RunRecord:
         self.display.epoch_line(
             head.epoch, cfg.training.epochs, head.global_step, head.loss, samples_per_s, eta
         )
+        if recovery is not None and head.first_step_at is not None:
+            self.recovered(recovery, head.first_step_at)
 
-    def partial(self, head: EpochResult, attempt: int) -> None:
-        """A stopped epoch's step rows and checkpoints (its end is recorded by the epoch that finishes it)."""
+    def stretch_ended(self, head: EpochResult, attempt: int, recovery: RecoveryTiming | None) -> None:
+        """A stopped epoch's step rows and checkpoints (its end is recorded by the epoch that finishes it)
+        and, the first after a recovery, ``recovered``."""
         streamed, self.rows = self.rows, []
         rows = [{"kind": "step", **r} for r in streamed + self.arrived(head.step_rows)]
         if rows:
@@ -395,6 +432,8 @@ class RunRecord:
             self.track(rows[len(streamed) :])
         self.commits(head.commits)
         self._ran(head)
+        if recovery is not None and head.first_step_at is not None:
+            self.recovered(recovery, head.first_step_at)
 
     def _ran(self, head: EpochResult) -> None:
         """The ledger's account of what a group trained until ``head``."""
@@ -443,21 +482,7 @@ class RunRecord:
         self.slow_reports.append(report)
         self.event("slow_rank", **report)
 
-    @staticmethod
-    def slow_report(r: SlowRank, host: str, step: int, attempt: int) -> dict[str, Any]:
-        """A ``slow_rank`` event's fields (also ``Result.slow_ranks``)."""
-        return {
-            "rank": r.rank,
-            "host": host,
-            "step": step,
-            "attempt": attempt,
-            "ratio": round(r.ratio, 2),
-            "compute_ms": round(r.compute_s * 1000, 1),
-            "others_ms": round(r.others_s * 1000, 1),
-            "step_ms": round(r.step_s * 1000, 1),
-            "input_ms": round(r.input_s * 1000, 1),
-            "others_input_ms": round(r.others_input_s * 1000, 1),
-        }
+    slow_report = staticmethod(slow_report)
 
     def slow_rank_cleared(self, rank: int, host: str, step: int, attempt: int) -> None:
         self.event("slow_rank_cleared", rank=rank, host=host, step=step, attempt=attempt)
@@ -629,6 +654,22 @@ class RunRecord:
             fields = {"old": len(infos) + len(m.ranks), "new": len(infos), "at_step": m.stop_step, **fields}
             fields["reason"] = f"preemption: {m.reason}"
         self.event(event, **fields)
+
+
+def make_tracker(cfg: JobConfig, storage: Storage, events: EventLog) -> Tracker | None:
+    """The run's tracking sinks (``tracking``: TensorBoard, MLflow, a webhook), or None without any."""
+    tr = cfg.tracking
+    sinks: list[Sink] = []
+    if tr.tensorboard:
+        sinks.append(TensorBoardSink(storage))
+    if tr.mlflow_uri:
+        config = cfg.to_dict()
+        history = events.records()
+        sinks.append(MlflowSink(tr.mlflow_uri, tr.mlflow_experiment, storage, config, cfg.name, history))
+    url = resolve_notify_url(tr)
+    if url:
+        sinks.append(WebhookSink(url, tr.notify_events, cfg.name, storage.root))
+    return Tracker(sinks, tr.queue_size, tr.flush_timeout_s) if sinks else None
 
 
 def _phase_max(infos: list[SetupInfo]) -> dict[str, float]:
