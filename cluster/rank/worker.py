@@ -7,10 +7,10 @@ forgotten) -> ``finish`` -> ``shutdown``. ``reset`` ends the session but keeps t
 warm restart; ``release`` keeps the state too, for a peer recovery (``cluster.rank.rejoin``).
 ``heartbeat`` is safe to call from another thread at any time: it is the hang heartbeat.
 
-The training loop is :meth:`Worker._run_epoch`; what it asks at each step boundary is answered by the
-schedule (``cluster.spec.schedule``), faults injected on purpose hook in through ``cluster.rank.faults``, the
-model is wrapped by ``cluster.rank.ddp``, and the state a checkpoint or a peer carries is
-``cluster.rank.train_state``.
+The training loop is :meth:`Worker._run_epoch`; what it asks at each step boundary is answered by the schedule
+(``cluster.spec.schedule``), the step's optional parts (faults injected on purpose, a profile, the replica
+guard, rollback points) are step hooks (``cluster.rank.step_hooks``), the model is wrapped by
+``cluster.rank.ddp``, and the state a checkpoint or a peer carries is ``cluster.rank.train_state``.
 
 Determinism: every step reseeds the RNGs from (seed, global step, rank), and the sampler is a pure
 function of (seed, epoch, step). A checkpoint at step ``s`` (weights plus ``TrainState``) therefore
@@ -52,6 +52,7 @@ from cluster.rank.replica import ReplicaGuard, ReplicaMismatchError
 from cluster.rank.rollback_points import MemorySnapshots
 from cluster.rank.session import TrainSession, build_model, join_group, sampler_for, write_again, writer_for
 from cluster.rank.step import Divergence, peak_memory_gib, seed_step, step_seed, train_step
+from cluster.rank.step_hooks import ProfilerHook, StepHooks, step_hooks
 from cluster.rank.train_state import RunPosition, capture, checkpoint_files
 from cluster.run.checkpoint import CommitRecord
 from cluster.run.folder import RunFolder
@@ -179,6 +180,7 @@ class Worker:
         self.gpu_index = 0  # this rank's GPU among the visible ones (``use_gpus``)
         self.faults = Faults(cfg, rank, attempt)
         self._pace = StepPace()
+        self._hooks = StepHooks()  # the step's optional parts that are on (``cluster.rank.step_hooks``)
         self.allocator = tune_process(cfg)  # before the process group and task make their threads
 
     @property
@@ -321,6 +323,7 @@ class Worker:
         self._memory.drop_after(self.pos.global_step)  # copies past it are of a path the run left
         sampler.order = self.pos.sampler_order  # the resumed run's (a new run's when nothing was resumed)
         self._replica.begin(raw_model, self.world_size, self.pos.global_step)  # every rank holds the same
+        self._hooks = step_hooks(self.faults, self._profiler, self._replica, self._memory, self.world_size)
         writer = writer_for(self.rank, kept.writer if kept is not None else None, store, cfg)
         # DDP's buffer broadcast at each forward is a wait for the others inside the step: left out of the
         # rank's own part. (Not under training.compile: hooks would be traced into the compiled forward.)
@@ -444,8 +447,8 @@ class Worker:
                 tally.skipped += 1
             else:
                 step = self._step(s, epoch, local_idx, tally)
-            self._replica.after_step(p.global_step)
-            self._memory.after_step(s, p, self.world_size)
+            for hook in self._hooks.end:  # replica guard, rollback points
+                hook(s, p)
             due = False
             if p.step_in_epoch < sched.steps_per_epoch:  # the epoch's last step: in _end_epoch
                 early = self._maybe_evaluate(s)
@@ -471,11 +474,10 @@ class Worker:
         p = self.pos
         t0 = time.perf_counter()
         self._pace.begin()
-        self.faults.before_step(p.global_step + 1, s.raw_model)
+        for hook in self._hooks.before:  # faults, profiler
+            hook(s, p)
         seed_step(s.device, step_seed(self.cfg.training.seed, p.global_step, self.rank))
         self.task.current = StepInfo(epoch, p.global_step + 1, self.rank, self.world_size, self.attempt)
-        if self._profiler is not None:
-            self._profiler.before_step(s.device)
         loss, metrics, self._grad_norm = train_step(
             s,
             self.task,
@@ -488,10 +490,9 @@ class Worker:
             lambda loss: self.faults.loss(p.global_step + 1, loss),
             want_norm=self.rank == 0 and s.schedule.log(p.global_step + 1),
         )
-        self.faults.after_step(p.global_step + 1)
         p.global_step += 1
-        if self._profiler is not None:
-            self._profiler.after_step(p.global_step)
+        for hook in self._hooks.after:  # faults, profiler
+            hook(s, p)
         p.step_in_epoch += 1
         tally.add(loss, metrics, self.cfg.training.global_batch_size)
         tally.input_s += self._pace.input_s
@@ -658,6 +659,7 @@ class Worker:
         if self._profiler is None:  # the setup's folder (a profile is asked for while an epoch trains)
             run = self.folder or RunFolder.at(self.run_url, self.cfg.storage.options)
             self._profiler = StepProfiler(run.storage, self.rank)
+            self._hooks.add(ProfilerHook(self._profiler))  # from the next step on, after the faults
         self._profiler.request(ProfileRequest(req_id, steps, folder))
 
     def finish(self) -> list[CommitRecord]:
