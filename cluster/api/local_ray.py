@@ -13,7 +13,8 @@ Nothing is left behind by a driver that dies (SIGKILL, the OOM killer): Ray ties
 driver, but the raylet's DashboardAgent and RuntimeEnvAgent, handed to PID 1, ignore SIGTERM and wait a
 minute on the dead GCS, and workers linger a few seconds. Every process of the embedded Ray carries the
 session's marker (``SESSION_ENV``, inherited from ``ray.init``: the driver's pid and machine and a random
-id), read back from ``/proc/PID/environ``: never a process name. A watcher process started with the Ray
+id), read back from ``/proc/PID/environ`` (kept readable in the agents, which rename themselves, by
+``SPT_NOENV``: see ``_QUIET_ENV``): never a process name. A watcher process started with the Ray
 (this file run as a script, standard library only) stops the session's processes by PID once its driver is
 gone; should the watcher have died too, the next embedded start on this machine stops what is left of
 sessions whose driver is certainly gone (``cluster.run.lease.pid_gone_here``).
