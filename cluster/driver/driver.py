@@ -77,7 +77,6 @@ from cluster.driver.states import (
     Stopped,
 )
 from cluster.inspect.runs import resume_advice
-from cluster.run.checkpoint import CheckpointStore
 from cluster.run.folder import RunFolder
 from cluster.run.lease import FencedError, Lease
 from cluster.run.quarantine import Quarantine
@@ -118,10 +117,11 @@ class Driver(GroupModes):
         self.poll_s = poll_s
         self.state: State = Starting()
         self.folder = folder or RunFolder.of(cfg)
-        """The run's folder (``cluster.run.folder``): its storage is the one every part of the driver uses."""
+        """The run's folder (``cluster.run.folder``): its storage and checkpoint store are the ones every part
+        of the driver uses."""
         self.storage = self.folder.storage
         self.run_url = self.folder.url
-        self.record = RunRecord(cfg, self.storage, out or sys.stdout)
+        self.record = RunRecord(cfg, self.folder, out or sys.stdout)
         self.record.t0 = started_at or time.time()  # the goodput ledger's start (``cluster.run.goodput``)
         self.announce: DriverListener = Announcer(self.record)
         """Where the driver says what happened (``cluster.driver.listeners``); the record listens first."""
@@ -178,6 +178,7 @@ class Driver(GroupModes):
         trusted write raises FencedError and the run ends without writing more."""
         self.record.events.fence = lease.check
         self.quarantine.fence = lease.check
+        self.folder.checkpoints.fence = lease.check  # a replica rollback's deletions
         self._prepare_storage()
         self.quarantine.load()  # an earlier submission's quarantined nodes stay out
         self.announce.run_start(self.attempt, lease)
@@ -230,10 +231,9 @@ class Driver(GroupModes):
             raise
         except Exception as exc:
             logger.exception("the run fails while %s", state.describe())
+            advice = resume_advice(self.folder.checkpoints)
             return self._fail(
-                TrainingFailedError(
-                    f"{type(exc).__name__} while {state.describe()}: {exc}. {resume_advice(self.storage)}"
-                )
+                TrainingFailedError(f"{type(exc).__name__} while {state.describe()}: {exc}. {advice}")
             )
 
     def _record_failed(self, exc: BaseException) -> None:
@@ -265,7 +265,7 @@ class Driver(GroupModes):
         """Decided once, before any worker starts: a run whose newest verified checkpoint covers every epoch
         is already complete. The workers resume from that same checkpoint, so they never disagree."""
         epochs = self.cfg.training.epochs
-        info = complete_checkpoint(CheckpointStore(self.storage), epochs, self.cfg.evaluation.patience)
+        info = complete_checkpoint(self.folder.checkpoints, epochs, self.cfg.evaluation.patience)
         if info is None:
             return Starting()
         self.global_step, self.epoch = info.step, info.epoch
@@ -468,7 +468,7 @@ class Driver(GroupModes):
         self.announce.phase("checkpoint_stall")  # the final checkpoint's flush
         self.announce.commits(self.group.finish())
         if self.record.committed.get(self.global_step) is False:  # the final checkpoint did not commit
-            store, error = CheckpointStore(self.storage), self.record.last_commit_error
+            store, error = self.folder.checkpoints, self.record.last_commit_error
             return self._fail(final_commit_failed(store, self.global_step, error))
         self.announce.finished(self.global_step, s.loss, self.attempt + 1)
         return Finished()
@@ -479,7 +479,7 @@ class Driver(GroupModes):
         limit, in_a_row = self.cfg.checkpoint.max_failed_commits, self.record.failed_in_a_row
         if in_a_row < limit:
             return None
-        store = CheckpointStore(self.storage)
+        store = self.folder.checkpoints
         return self._fail(commits_failing(store, limit, in_a_row, self.record.last_commit_error))
 
     def _resize(self, s: Resizing) -> State:
@@ -540,7 +540,7 @@ class Driver(GroupModes):
         """A stop asked before the group trained: nothing to checkpoint but what survivors of a failure hold
         in memory, which is lost (said, with the steps)."""
         self._drop_group()  # the adopted survivors too
-        return self._end_stopped(False, f"{why}{unstarted_loss(CheckpointStore(self.storage), salvage)}")
+        return self._end_stopped(False, f"{why}{unstarted_loss(self.folder.checkpoints, salvage)}")
 
     def _end_stopped(self, committed: bool, note: str | None = None) -> Stopped:
         req = self.control.stop
@@ -581,11 +581,9 @@ class Driver(GroupModes):
         timing.t_teardown = time.time()
         self.announce.flush_rows(salvage.rows if salvage is not None else [], self.epoch, self.attempt)
         if failure.kind == "replica_mismatch":  # no checkpoint after the last agreeing check is used again
-            fence = self.lease.check if self.lease is not None else None
             hosts, nodes = self.moves.rank_hosts, self.moves.rank_nodes
-            after_mismatch(
-                failure, self.storage, fence, self.cfg, self.announce.event, hosts, nodes, self.quarantine
-            )
+            store = self.folder.checkpoints  # fenced by the lease (``_run``)
+            after_mismatch(failure, store, self.cfg, self.announce.event, hosts, nodes, self.quarantine)
         plan = peer_plan(self.cfg, failure, salvage, timing) if decision.restart else None
         window = rollback_window(self.cfg, failure) if decision.restart else None
         if window is not None:
@@ -594,9 +592,10 @@ class Driver(GroupModes):
         self.announce.decision(decision, plan, timing.fallback, window)
         if not decision.restart:
             detail = failure.error.traceback if failure.error is not None else failure.message
+            advice = resume_advice(self.folder.checkpoints)
             return self._fail(
                 TrainingFailedError(
-                    f"{decision.reason}. {resume_advice(self.storage)}\nLast failure ({failure.kind}, rank "
+                    f"{decision.reason}. {advice}\nLast failure ({failure.kind}, rank "
                     f"{failure.rank}):\n{detail}"
                 )
             )

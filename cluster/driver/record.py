@@ -25,7 +25,8 @@ from cluster.driver.listeners import DriverListener
 from cluster.driver.policy import Decision, SlowRank
 from cluster.driver.states import RecoveryTiming
 from cluster.driver.tracking import MlflowSink, Sink, TensorBoardSink, Tracker, WebhookSink
-from cluster.run.checkpoint import CheckpointInfo, CheckpointStore, CommitRecord, step_dir
+from cluster.run.checkpoint import CheckpointInfo, CommitRecord, step_dir
+from cluster.run.folder import RunFolder
 from cluster.run.goodput import Ledger, ledger_for
 from cluster.run.lease import Lease
 from cluster.run.logs import EventLog, ProgressDisplay, write_metrics
@@ -64,12 +65,14 @@ class RunRecord(DriverListener):
     """Events, console lines, metric rows and tracking of one run (module doc): the driver's first listener
     (``cluster.driver.listeners``)."""
 
-    def __init__(self, cfg: JobConfig, storage: Storage, out: TextIO) -> None:
+    def __init__(self, cfg: JobConfig, folder: RunFolder, out: TextIO) -> None:
         self.cfg = cfg
         self.name = cfg.name
-        self.storage = storage
+        self.folder = folder
+        """The run's folder (``cluster.run.folder``): the driver's, its checkpoints read here."""
+        self.storage = folder.storage
         self.out = out
-        self.events = EventLog(storage)
+        self.events = EventLog(self.storage)
         self.display: ProgressDisplay | None = None
         self.tracker: Tracker | None = None
         self.rows: list[dict[str, Any]] = []  # rank 0's step rows streamed by heartbeats, not yet written
@@ -173,7 +176,7 @@ class RunRecord(DriverListener):
         if tracker is None:
             return
         records = self.events.records()
-        infos = CheckpointStore(self.storage).list()
+        infos = self.folder.checkpoints.list()
         summary = {
             "status": status,
             "checkpoint": step_dir(infos[-1].step) if infos and finished else None,
@@ -519,7 +522,7 @@ class RunRecord(DriverListener):
     def stopped(
         self, reason: str, requested_at: float, global_step: int, committed: bool, note: str | None
     ) -> None:
-        infos = CheckpointStore(self.storage).list()
+        infos = self.folder.checkpoints.list()
         self.goodput_event()
         self.event(
             "stopped",

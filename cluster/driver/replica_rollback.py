@@ -13,7 +13,6 @@ from cluster.seam.mismatch import mismatch
 if TYPE_CHECKING:
     from cluster.run.checkpoint import CheckpointInfo, CheckpointStore
     from cluster.run.quarantine import Quarantine
-    from cluster.run.storage import Storage
     from cluster.spec.config import JobConfig
 
 
@@ -41,8 +40,7 @@ def roll_back(store: CheckpointStore, agreed_step: int, keep_every: int) -> dict
 
 def after_mismatch(
     failure: Failure,
-    storage: Storage,
-    fence: Callable[[], None] | None,
+    store: CheckpointStore,
     cfg: JobConfig,
     event: Callable[..., None],
     hosts: Sequence[str],
@@ -50,18 +48,14 @@ def after_mismatch(
     quarantine: Quarantine | None = None,
 ) -> None:
     """The driver, after a replica mismatch (whether or not it restarts): no checkpoint after the last
-    agreement is used again (:func:`roll_back`; every deletion checked by ``fence``, the run's lease), a
-    ``replica_mismatch`` event names the differing ranks, their hosts and nodes (``hosts``, ``nodes``: the
-    failed group's, by rank), and ``quarantine`` counts an incident on each suspect's node. The suspects'
-    processes are replaced by the salvage (``cluster.seam.mismatch.suspect_ranks``), the others reload the
-    checkpoint."""
+    agreement is used again (:func:`roll_back` in ``store``, the run's, whose ``fence`` checks every deletion
+    against the run's lease), a ``replica_mismatch`` event names the differing ranks, their hosts and nodes
+    (``hosts``, ``nodes``: the failed group's, by rank), and ``quarantine`` counts an incident on each
+    suspect's node. The suspects' processes are replaced by the salvage
+    (``cluster.seam.mismatch.suspect_ranks``), the others reload the checkpoint."""
     found = mismatch(failure)
     if found is None:
         return
-    from cluster.run.checkpoint import CheckpointStore
-
-    store = CheckpointStore(storage)
-    store.fence = fence
     ranks = [int(r) for r in found.get("suspects") or []]
     back = roll_back(store, int(found.get("agreed_step") or 0), cfg.checkpoint.keep_every_steps)
     suspect_nodes = [nodes[r] for r in ranks if r < len(nodes)]

@@ -11,9 +11,8 @@ from cluster.core.errors import Failure, StorageError
 from cluster.driver.control import RunControl
 from cluster.driver.record import RunRecord
 from cluster.driver.states import Failed, State, Stopped
-from cluster.run.checkpoint import CheckpointStore
+from cluster.run.folder import RunFolder
 from cluster.run.goodput import Goodput
-from cluster.run.storage import Storage
 from cluster.spec.config import JobConfig
 from cluster.spec.schedule import Window
 
@@ -57,8 +56,7 @@ class Ended(Protocol):
     """What :func:`result_of` reads of a driver whose run ended (:class:`cluster.driver.driver.Driver`)."""
 
     cfg: JobConfig
-    run_url: str
-    storage: Storage
+    folder: RunFolder
     state: State
     control: RunControl
     record: RunRecord
@@ -74,7 +72,7 @@ class Ended(Protocol):
 def result_of(driver: Ended) -> Result:
     """What a driver's run returns, from where it ended."""
     try:
-        infos = CheckpointStore(driver.storage).list()
+        infos = driver.folder.checkpoints.list()
     except StorageError as exc:  # the result is still returned (or its error raised)
         logger.warning("could not list the run's checkpoints for its result: %s", exc)
         infos = []
@@ -82,7 +80,7 @@ def result_of(driver: Ended) -> Result:
     error = state.error if isinstance(state, Failed) else None
     return Result(
         name=driver.cfg.name,
-        run_url=driver.run_url,
+        run_url=driver.folder.url,
         status=state.name,
         epochs_completed=driver.epoch,
         global_step=driver.global_step,

@@ -85,6 +85,13 @@ def _open(url: str, options: dict[str, Any] | None) -> Storage:
     return Storage(url, options)
 
 
+def _checkpoints(storage: Storage) -> CheckpointStore:
+    """The checkpoints of the run in ``storage``: the one place ``inspect`` makes a checkpoint store. Its
+    readers are handed a run's storage (the CLI's, a test's), not a run folder, and only list and verify:
+    no fence, no ``last_*`` report and no retention, so a store of their own reads what a shared one would."""
+    return CheckpointStore(storage)
+
+
 def open_run(url: str, name: str | None = None, options: dict[str, Any] | None = None) -> Storage:
     """The storage of one run, from ``URL NAME`` or ``URL/NAME``; InspectError naming the runs there if
     none."""
@@ -288,7 +295,7 @@ def checkpoint_rows(storage: Storage, verify: str = "latest") -> list[Checkpoint
     ``verify``: ``"all"`` checks every checkpoint's checksums, ``"latest"`` checks from the newest down
     until one verifies (the one a resume would load), ``"none"`` reads manifests only.
     """
-    store = CheckpointStore(storage)
+    store = _checkpoints(storage)
     infos = store.list()
     committed = {i.step for i in infos}
     best = best_of(infos)
@@ -321,12 +328,12 @@ def checkpoint_rows(storage: Storage, verify: str = "latest") -> list[Checkpoint
     return sorted(rows, key=lambda r: r.step)
 
 
-def resume_advice(storage: Storage) -> str:
+def resume_advice(run: Storage | CheckpointStore) -> str:
     """What rerunning the same job does, from what storage holds now (one sentence, for a failed run's
     message): resume from the newest checkpoint that verifies, naming its step, or start from step 0 when
-    none does."""
-    where = storage.url("checkpoints")
-    store = CheckpointStore(storage)
+    none does. ``run``: the run's storage, or its checkpoint store (a driver's, from its run folder)."""
+    store = run if isinstance(run, CheckpointStore) else _checkpoints(run)
+    where = store.storage.url("checkpoints")
     try:
         infos = store.list()
         newest = next((i.step for i in reversed(infos) if store.verifies(i) is None), None)

@@ -39,6 +39,7 @@ from cluster.run.checkpoint import (
     serialize,
     step_dir,
 )
+from cluster.run.folder import RunFolder
 from cluster.run.storage import Storage
 from cluster.spec.load import load_config
 from tests.support.faultfs import Faults
@@ -155,7 +156,7 @@ def test_a_failed_retention_after_a_good_commit_is_a_warning_not_a_failed_commit
     assert len(warned) == 1 and "injected failure of delete" in warned[0].getMessage()
     assert verified(storage) == [10, 20]
     cfg = load_config(data={"storage": {"url": f"memory://rec-{uuid.uuid4().hex}"}})
-    record = RunRecord(cfg, Storage(cfg.storage.url), io.StringIO())
+    record = RunRecord(cfg, RunFolder.at(cfg.storage.url), io.StringIO())
     record.commits([first, second])
     assert record.failed_in_a_row == 0 and record.committed == {10: True, 20: True}
     writer.save(30, 0, {}, state(30))  # retention runs again at the next commit

@@ -17,6 +17,7 @@ from cluster.run.quarantine import Quarantine
 from cluster.run.storage import Storage
 from cluster.seam import mismatch
 from cluster.spec.load import load_config
+from tests.support.fakes import ScriptedGroup, make
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -124,11 +125,11 @@ def test_after_mismatch_records_the_event_and_rolls_back(tmp_path: object) -> No
     failure = mismatch.failure_of(mismatch_error([1], agreed=10))
     assert failure is not None
     fenced: list[int] = []
+    store.fence = lambda: fenced.append(1)  # the run's lease (the driver sets it on its folder's store)
     quarantine = Quarantine(storage, after=1)
     replica_rollback.after_mismatch(
         failure,
-        storage,
-        lambda: fenced.append(1),
+        store,
         cfg,
         lambda kind, **f: seen.append((kind, f)),
         ["h0", "h1"],
@@ -149,3 +150,24 @@ def test_after_mismatch_records_the_event_and_rolls_back(tmp_path: object) -> No
 def test_a_negative_interval_is_refused_naming_the_setting() -> None:
     with pytest.raises(ConfigError, match=r"failures\.replica_check_steps=-1"):
         load_config(None, ["failures.replica_check_steps=-1"])
+
+
+def test_the_drivers_rollback_goes_through_its_run_folders_store_fenced_by_its_lease() -> None:
+    """The run folder owns one checkpoint store: the driver fences it with its lease when the run starts,
+    and a replica rollback deletes through it (each deletion asks the lease first)."""
+    failure = mismatch.failure_of(mismatch_error([1], agreed=10))
+    assert failure is not None
+
+    class MismatchGroup(ScriptedGroup):
+        def classify(self, exc: BaseException, starting: bool = False) -> Failure:
+            return failure if str(exc) == failure.message else super().classify(exc, starting)
+
+    driver, _ = make({0: [failure]}, ["failures.max_failures=10"], group_cls=MismatchGroup)
+    commit(driver.folder.checkpoints, 5, True)
+    commit(driver.folder.checkpoints, 15, False)
+    driver.run()
+    assert driver.lease is not None and driver.folder.checkpoints.fence == driver.lease.check
+    assert driver.record.folder is driver.folder  # the record reads the same folder's checkpoints
+    (event,) = [e for e in driver.events.records() if e["event"] == "replica_mismatch"]
+    assert event["discarded"] == [15] and event["checkpoint_step"] == 5
+    assert 15 not in [i.step for i in driver.folder.checkpoints.list()]
