@@ -21,6 +21,7 @@ from torch import nn
 
 from cluster.rank.replica import flip_bit
 from cluster.run.checkpoint import CheckpointStore, step_dir
+from cluster.run.folder import RunFolder
 from cluster.run.storage import Storage
 from cluster.spec.config import FaultSpec, JobConfig
 from cluster.spec.load import parse_fault_env
@@ -88,11 +89,12 @@ class Faults:
             return _nothing
         return lambda: os.kill(os.getpid(), signal.SIGKILL)
 
-    def store(self, storage: Storage) -> CheckpointStore:
-        """The checkpoint store to write through: one that dies mid-commit at a ``crash_in_checkpoint``
-        fault's steps."""
+    def store(self, folder: RunFolder) -> CheckpointStore:
+        """The checkpoint store to write through: the run folder's, or under a ``crash_in_checkpoint`` fault
+        one of its own that dies mid-commit at the fault's steps (a subclass of the store, so it cannot be
+        the folder's; the rank writes and resumes through it alone)."""
         steps = {f.step for f in self.specs if f.kind == "crash_in_checkpoint"}
-        return CrashingStore(storage, steps) if steps else CheckpointStore(storage)
+        return CrashingStore(folder.storage, steps) if steps else folder.checkpoints
 
 
 def _nothing() -> None:

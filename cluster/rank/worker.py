@@ -312,7 +312,7 @@ class Worker:
         self.inputs.open(device)  # loader processes start (once per process) while setup goes on
         t["task"] = time.time()
         sampler = sampler_for(self.dataset, self.rank, self.world_size, cfg)
-        store = self.faults.store(folder.storage)
+        store = self.faults.store(folder)
         if os.environ.get(GENERATION_ENV):  # set by the driver: its lease's generation (cluster.run.lease)
             store.fence = Fence(store.storage, int(os.environ[GENERATION_ENV])).check
         rank, size, pos, memory = self.rank, self.world_size, self.pos, self._memory
