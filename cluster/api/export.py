@@ -18,7 +18,7 @@ import torch
 from cluster.core.errors import ConfigError, StorageError
 from cluster.core.redact import redact_tree, redact_url
 from cluster.run.folder import RunFolder
-from cluster.run.restore import load_checkpoint
+from cluster.run.restore import checkpoint_in, open_run
 from cluster.run.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,8 @@ def export_checkpoint(
         raise ConfigError(
             f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)} (or leave the weights as they are)"
         )
-    ckpt = load_checkpoint(url_or_run, step, storage_options)
+    folder, named = open_run(url_or_run, storage_options)
+    ckpt = checkpoint_in(folder, named if step is None else step)
     weights = dict(ckpt.model)
     other = sorted(k for k, v in weights.items() if not isinstance(v, torch.Tensor))
     if other and fmt == ".safetensors":
@@ -79,7 +80,7 @@ def export_checkpoint(
         "score": ckpt.manifest.get("score"),
         "eval": ckpt.manifest.get("eval"),
         "exported_at": time.time(),
-        **_task_of(ckpt.run_url, storage_options),
+        **_task_of(folder),
     }
     _publish(out, data, json.dumps(sidecar, indent=1, default=str).encode(), storage_options)
     return sidecar
@@ -155,11 +156,11 @@ def _shared(name: str, tied: list[list[str]]) -> bool:
     return any(name in names[1:] for names in tied)
 
 
-def _task_of(run_url: str, options: dict[str, Any] | None) -> dict[str, Any]:
+def _task_of(folder: RunFolder) -> dict[str, Any]:
     """The run's task and task_args from its run.json (what builds the model these weights fit), redacted
     again: a run.json of an earlier version may hold a secret-looking key's value."""
     try:
-        config = json.loads(RunFolder.at(run_url, options).storage.read_bytes("run.json"))["config"]
+        config = json.loads(folder.storage.read_bytes("run.json"))["config"]
     except (FileNotFoundError, KeyError, ValueError):
         return {"task": None, "task_args": None}
     return {"task": config.get("task"), "task_args": redact_tree(config.get("task_args"), known=False)}

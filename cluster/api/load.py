@@ -19,8 +19,7 @@ from torch import nn
 
 from cluster.core.errors import CheckpointError, ConfigError
 from cluster.rank.evaluate import EvalResult
-from cluster.run.folder import RunFolder
-from cluster.run.restore import load_checkpoint
+from cluster.run.restore import checkpoint_in, open_run
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +35,9 @@ def load_model(
     ``build_model`` made it; call ``.eval()`` for inference."""
     from cluster.spec.task import build_task
 
-    ckpt = load_checkpoint(run_url, step, storage_options)
-    storage = RunFolder.at(ckpt.run_url, storage_options).storage
+    folder, named = open_run(run_url, storage_options)
+    ckpt = checkpoint_in(folder, named if step is None else step)
+    storage = folder.storage
     try:
         config = json.loads(storage.read_bytes("run.json"))["config"]
     except FileNotFoundError:
@@ -73,8 +73,9 @@ def evaluate_checkpoint(
     from cluster.spec.load import from_dict
     from cluster.spec.task import build_task
 
-    ckpt = load_checkpoint(run_url, step, storage_options)
-    storage = RunFolder.at(ckpt.run_url, storage_options).storage
+    folder, named = open_run(run_url, storage_options)
+    ckpt = checkpoint_in(folder, named if step is None else step)
+    storage = folder.storage
     try:
         config = json.loads(storage.read_bytes("run.json"))["config"]
     except FileNotFoundError:

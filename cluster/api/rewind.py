@@ -14,11 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.core.errors import CheckpointError, ConfigError
-from cluster.run.checkpoint import CheckpointStore
 from cluster.run.folder import RunFolder
 from cluster.run.lease import Lease, LeaseHeldError
 from cluster.run.logs import EventLog
-from cluster.run.restore import load_checkpoint
+from cluster.run.restore import check_is_run, checkpoint_in
 from cluster.run.storage import Storage
 
 
@@ -47,9 +46,10 @@ def rewind(
     first, as retention does) and record a ``rewound`` event, holding the run's lease meanwhile
     (``cluster.run.lease``: a job whose lease is not released is watched for a few beats). ConfigError while
     a job trains the run; CheckpointError when ``step`` has no verified checkpoint."""
-    storage = RunFolder.at(run_url, storage_options).storage
+    folder = RunFolder.at(run_url, storage_options)
+    storage = folder.storage
     if not apply:
-        return _plan(storage, step, storage_options)
+        return _plan(folder, step)
     try:  # the run's lease: no job trains it meanwhile, and one that was taken over cannot write after
         lease = Lease.take(storage, f"rewind by {_who()}", say=say)
     except LeaseHeldError as exc:
@@ -57,10 +57,10 @@ def rewind(
             f"{exc}. Stop it first (python -m cluster stop {storage.root} --wait 600), then rewind"
         ) from None
     try:
-        plan = _plan(storage, step, storage_options)
+        plan = _plan(folder, step)
         if plan.newer:
             lease.check()
-            store = CheckpointStore(storage)
+            store = folder.checkpoints
             plan.newer = store.discard_after(step, keep_every=_milestones(storage))
             plan.set_aside = sorted(store.last_set_aside)
             deleted = [s for s in plan.newer if s not in plan.set_aside]
@@ -73,13 +73,13 @@ def rewind(
         lease.release()
 
 
-def _plan(storage: Storage, step: int, storage_options: dict[str, Any] | None) -> Rewind:
+def _plan(folder: RunFolder, step: int) -> Rewind:
     try:
-        load_checkpoint(storage.root, step, storage_options)  # verifies every file
+        check_is_run(folder)
+        checkpoint_in(folder, step)  # verifies every file
     except CheckpointError as exc:
         raise CheckpointError(f"cannot rewind to step {step}: {exc}") from None
-    store = CheckpointStore(storage)
-    return Rewind(storage.root, step, [s for s in store.steps_on_storage() if s > step])
+    return Rewind(folder.url, step, [s for s in folder.checkpoints.steps_on_storage() if s > step])
 
 
 def _milestones(storage: Storage) -> int:

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any, TextIO
 from cluster.api import local_ray
 from cluster.core.errors import ConfigError
 from cluster.driver.result import Result
-from cluster.run.checkpoint import CheckpointStore
 from cluster.run.folder import RunFolder
 from cluster.run.lease import Lease
 from cluster.seam.protocol import WorkerGroup
@@ -137,9 +136,10 @@ def check_embedded_fits(cfg: JobConfig) -> None:
         )
 
 
-def preflight(cfg: JobConfig, task: type[Task] | None = None) -> None:
+def preflight(cfg: JobConfig, task: type[Task] | None = None, folder: RunFolder | None = None) -> None:
     """Checks that need no Ray and write nothing, run before Ray starts: the task imports (unless given as
-    a class), and the storage is one that the workers (other processes, often other machines) can see."""
+    a class), and the storage is one that the workers (other processes, often other machines) can see.
+    ``folder``: the run's (``cfg``'s when not given), read for its checkpoints when ``init_from`` is set."""
     from cluster.spec.task import load_task_class
 
     if task is None:
@@ -148,8 +148,8 @@ def preflight(cfg: JobConfig, task: type[Task] | None = None) -> None:
     if cfg.training.init_from is not None:
         from cluster.run.restore import check_init_from
 
-        run = RunFolder.of(cfg).storage
-        if not CheckpointStore(run).list():  # a run that resumes from its own checkpoint ignores init_from
+        run = folder or RunFolder.of(cfg)
+        if not run.checkpoints.list():  # a run that resumes from its own checkpoint ignores init_from
             check_init_from(cfg.training.init_from, cfg.training.init_from_step, cfg.storage.options)
     check_embedded_fits(cfg)
     if cfg.storage.url.strip().lower().startswith("memory://"):
@@ -184,12 +184,12 @@ def train(
     asked_at = time.time()  # the goodput ledger's start: Ray's start counts as the run's
     if task is not None:
         cfg = dataclasses.replace(cfg, task=task_path(task))
-    preflight(cfg, task)
+    folder = RunFolder.of(cfg)  # the run's storage, made once and handed to the preflight, lease and driver
+    preflight(cfg, task, folder)
     started = False
     try:
         started = ensure_ray(cfg)
         check_cluster(cfg)  # refusals write nothing: the lease is taken after them
-        folder = RunFolder.of(cfg)  # the run's storage, made once and handed to the lease and the driver
         say = None if out is None else lambda t: print(t, file=out)
         lease = lease or Lease.take_for(cfg, takeover, say, folder)
         factory = (

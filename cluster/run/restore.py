@@ -14,9 +14,8 @@ from torch import nn
 
 from cluster.core.errors import CheckpointError, ConfigError, StorageError
 from cluster.core.urls import url_problem
-from cluster.run.checkpoint import CKPT_DIR, CheckpointStore, best_of, deserialize, score_of
+from cluster.run.checkpoint import CKPT_DIR, best_of, deserialize, score_of
 from cluster.run.folder import RunFolder
-from cluster.run.storage import Storage
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +39,9 @@ class Checkpoint:
     """(step, reason) of newer checkpoints passed over because they are torn or corrupt."""
 
 
-def _open(url_or_run: str, storage_options: dict[str, Any] | None) -> tuple[Storage, int | None]:
-    """The run's storage, and the step when the URL names one checkpoint folder."""
+def open_run(url_or_run: str, storage_options: dict[str, Any] | None) -> tuple[RunFolder, int | None]:
+    """The run's folder, and the step when the URL names one checkpoint folder (the entry of the read
+    paths that start from a URL: :func:`load_checkpoint`, ``cluster.api.load``, ``cluster.api.export``)."""
     problem = url_problem(url_or_run, "url")
     if problem is not None:
         raise ConfigError(problem)
@@ -49,13 +49,19 @@ def _open(url_or_run: str, storage_options: dict[str, Any] | None) -> tuple[Stor
     m = _STEP_URL.match(url_or_run.rstrip("/"))
     if m is not None:
         url_or_run, step = m["run"], int(m["step"])
-    storage = RunFolder.at(url_or_run, storage_options).storage
+    folder = RunFolder.at(url_or_run, storage_options)
+    check_is_run(folder)
+    return folder, step
+
+
+def check_is_run(folder: RunFolder) -> None:
+    """CheckpointError when ``folder`` holds neither ``run.json`` nor checkpoints."""
+    storage = folder.storage
     if not storage.exists("run.json") and not storage.listdir(CKPT_DIR):
         raise CheckpointError(
             f"{storage.root} is not a run: it has neither run.json nor {CKPT_DIR}/; pass the run's folder "
             "(<storage.url>/<name>), e.g. ./runs/tiny-cpu"
         )
-    return storage, step
 
 
 def load_checkpoint(
@@ -71,9 +77,13 @@ def load_checkpoint(
     Torn or corrupt checkpoints are skipped with the reason (logged, and listed in ``skipped``) when the
     latest is asked for; an explicit ``step`` (or the best) that fails verification raises CheckpointError.
     """
-    storage, named = _open(url_or_run, storage_options)
-    step = named if step is None else step
-    store = CheckpointStore(storage)
+    folder, named = open_run(url_or_run, storage_options)
+    return checkpoint_in(folder, named if step is None else step)
+
+
+def checkpoint_in(folder: RunFolder, step: int | Literal["best"] | None = None) -> Checkpoint:
+    """:func:`load_checkpoint` in the run ``folder``: the latest verified checkpoint, ``step``, or best."""
+    storage, store = folder.storage, folder.checkpoints
     if step == "best":
         infos = store.list()
         best = best_of(infos)
@@ -127,8 +137,8 @@ def check_init_from(url: str, step: int | Literal["best"] | None, options: dict[
     naming what is there otherwise."""
     key = f"training.init_from={url!r}"
     try:
-        storage, named = _open(url, options)
-        infos = CheckpointStore(storage).list()
+        folder, named = open_run(url, options)
+        infos = folder.checkpoints.list()
     except (CheckpointError, StorageError) as exc:
         raise ConfigError(f"{key}: {exc}") from None
     if named is not None and step is not None:
