@@ -9,6 +9,7 @@ dashboard and ``ps`` on the head show a command line to anyone who can see the c
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
@@ -43,6 +44,12 @@ class SubmittedJob:
     run_url: str
     config: JobConfig
 
+    @functools.cached_property
+    def folder(self) -> RunFolder:
+        """The run's folder (``cluster.run.folder``), made on first use and kept: what the run's status
+        and its events are read from."""
+        return RunFolder.at(self.run_url, self.config.storage.options)
+
     def _client(self) -> Any:
         from ray.job_submission import JobSubmissionClient
 
@@ -56,7 +63,7 @@ class SubmittedJob:
         """The run's status from its storage (``python -m cluster list``'s: running, finished, ...)."""
         from cluster.inspect import live_status, read_events
 
-        storage = RunFolder.at(self.run_url, self.config.storage.options).storage
+        storage = self.folder.storage
         return live_status(storage, read_events(storage))
 
     def logs(self) -> str:
@@ -73,7 +80,7 @@ class SubmittedJob:
         events as they land (``python -m cluster watch``'s lines). Returns Ray's final job status."""
         from cluster.inspect import WATCHED, event_line, read_events
 
-        storage = RunFolder.at(self.run_url, self.config.storage.options).storage
+        storage = self.folder.storage
         seen = len(read_events(storage)) if out is not None else 0
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:

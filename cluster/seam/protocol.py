@@ -289,4 +289,7 @@ class WorkerGroup(Protocol):
 
 
 GroupFactory = Callable[[JobConfig, str, int], WorkerGroup]
-"""(config, run URL, attempt) -> a new, empty group."""
+"""(config, run URL, attempt) -> a new, empty group. The run's URL, not the driver's ``RunFolder``: it goes
+to the ranks, other processes, each of which makes its own folder at setup (its storage, its checkpoint store
+fenced by the lease's generation; the storage options are the config's). The driver's folder holds a store
+fenced by the driver's lease, whose beat thread does not pickle."""
