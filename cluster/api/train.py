@@ -26,6 +26,7 @@ from cluster.core.errors import ConfigError
 from cluster.driver.result import Result
 from cluster.run.folder import RunFolder
 from cluster.run.lease import Lease
+from cluster.seam.adoption import Adoption
 from cluster.seam.protocol import WorkerGroup
 from cluster.spec.config import JobConfig, resolve_notify_url
 from cluster.spec.task import Task, task_path
@@ -36,11 +37,29 @@ if TYPE_CHECKING:
     from cluster.driver.driver import Driver
 
 
-def ray_group_factory(cfg: JobConfig, run_url: str, attempt: int, task_cls: Any = None) -> WorkerGroup:
-    """The driver's default group factory: a gang of Ray actors."""
+def ray_group_factory(
+    cfg: JobConfig, run_url: str, attempt: int, task_cls: Any = None, detached: bool = False
+) -> WorkerGroup:
+    """The driver's default group factory: a gang of Ray actors (``detached``: they outlive the driver, on
+    a running cluster)."""
     from cluster.worker_group import RayWorkerGroup
 
-    return RayWorkerGroup(cfg, run_url, attempt, task_cls)
+    return RayWorkerGroup(cfg, run_url, attempt, task_cls, detached=detached)
+
+
+def on_running_cluster() -> bool:
+    """Whether this job trains on a running Ray cluster (``RAY_ADDRESS``: ``ray job submit``,
+    ``cluster.submit``), where its ranks outlive a driver that dies and the next submission adopts them;
+    not on the embedded Ray, which dies with the driver (docs/failures.md)."""
+    return bool(os.environ.get("RAY_ADDRESS"))
+
+
+def adopt_previous(cfg: JobConfig, folder: RunFolder, lease: Lease, task: Any) -> Adoption | None:
+    """The ranks the run's previous driver left running, adopted or stopped (``cluster.worker_group``)."""
+    from cluster.driver.starting import group_config
+    from cluster.worker_group.adoption import adopt
+
+    return adopt(group_config(cfg, "", lease), folder.url, lease.generation, task, folder.storage)
 
 
 def ensure_ray(cfg: JobConfig) -> bool:
@@ -192,10 +211,18 @@ def train(
         check_cluster(cfg)  # refusals write nothing: the lease is taken after them
         say = None if out is None else lambda t: print(t, file=out)
         lease = lease or Lease.take_for(cfg, takeover, say, folder)
-        factory = (
-            functools.partial(ray_group_factory, task_cls=task) if task is not None else ray_group_factory
+        detached = on_running_cluster()
+        factory = functools.partial(ray_group_factory, task_cls=task, detached=detached)
+        adoption = adopt_previous(cfg, folder, lease, task) if detached else None
+        driver = Driver(
+            cfg,
+            group_factory=factory,
+            out=out,
+            lease=lease,
+            started_at=asked_at,
+            folder=folder,
+            adoption=adoption,
         )
-        driver = Driver(cfg, group_factory=factory, out=out, lease=lease, started_at=asked_at, folder=folder)
         with stop_on_signals(driver):
             return driver.run()
     finally:

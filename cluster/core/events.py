@@ -403,6 +403,34 @@ KINDS: dict[str, Kind] = _kinds(
         watch=True,
     ),
     Kind(
+        "adopted",
+        "a submission on a running Ray cluster finds the ranks its previous driver left running, consistent, "
+        "and adopts them: same processes, no state moved, no step recomputed",
+        {
+            "ranks": "how many ranks it adopted",
+            "step": "the furthest step they had reached",
+            "from_generation": "the lease generation of the driver that started them",
+            "pids": "their process ids (the same processes)",
+        },
+        lambda r: f"adopted {r.get('ranks')} ranks at step {r.get('step')} from the previous driver",
+        watch=True,
+        show=True,
+        console=True,
+    ),
+    Kind(
+        "adoption_refused",
+        "a submission finds ranks its previous driver left running but cannot adopt them (gone, stuck or "
+        "inconsistent): they are stopped and the run resumes from storage",
+        {
+            "why": "what was wrong with them",
+            "from_generation": "the lease generation of the driver that started them",
+        },
+        lambda r: f"the previous driver's ranks were not adopted ({r.get('why')}): resuming from storage",
+        watch=True,
+        show=True,
+        console=True,
+    ),
+    Kind(
         "already_complete",
         "a submission finds every epoch done by its newest verified checkpoint: nothing to train",
         {

@@ -81,6 +81,7 @@ from cluster.run.folder import RunFolder
 from cluster.run.lease import FencedError, Lease
 from cluster.run.quarantine import Quarantine
 from cluster.run.storage import write_probe
+from cluster.seam.adoption import Adoption
 from cluster.seam.preemption import Move
 from cluster.seam.protocol import EpochResult, GroupFactory, Salvage, SetupInfo, StartCancelled, WorkerGroup
 from cluster.spec.config import JobConfig
@@ -107,8 +108,11 @@ class Driver(GroupModes):
         lease: Lease | None = None,
         started_at: float | None = None,
         folder: RunFolder | None = None,
+        adoption: Adoption | None = None,
     ) -> None:
         self.cfg = cfg
+        self.adoption = adoption
+        """The ranks a previous driver left running, adopted (or why not): the run goes on with them."""
         self.takeover = takeover
         self.lease = lease
         """The run's lease (``cluster.run.lease``): taken in ``run`` unless given, released when it ends."""
@@ -267,11 +271,36 @@ class Driver(GroupModes):
         epochs = self.cfg.training.epochs
         info = complete_checkpoint(self.folder.checkpoints, epochs, self.cfg.evaluation.patience)
         if info is None:
-            return Starting()
+            return self._adopted() or Starting()
+        self._drop_adopted()
         self.global_step, self.epoch = info.step, info.epoch
         self.stopped_early = info.epoch < epochs  # ended by early stopping
         self.announce.already_complete(self.global_step, self.stopped_early)
         return Finished()
+
+    def _adopted(self) -> State | None:
+        """Go on with the ranks a previous driver left running (``cluster.seam.adoption``): from the epoch
+        they were given, whose result the group collects; None to start as usual (nothing adopted)."""
+        a, self.adoption = self.adoption, None
+        if a is None:
+            return None
+        if a.group is None:
+            self.announce.event("adoption_refused", why=a.refused, from_generation=a.from_generation)
+            return None
+        self._probe_token, self.group = a.probe_token, a.group
+        self._placer = a.group
+        self._started(Starting(), a.infos, 0.0, time.time())
+        pids = [i.pid for i in a.infos]
+        self.announce.event(
+            "adopted", ranks=len(pids), step=a.step, from_generation=a.from_generation, pids=pids
+        )
+        return Running(a.epoch, a.start_step, dispatched_at=time.time())
+
+    def _drop_adopted(self) -> None:
+        """The run is complete: ranks a previous driver left have nothing to train."""
+        if self.adoption is not None and self.adoption.group is not None:
+            self.adoption.group.shutdown(graceful=False)
+        self.adoption = None
 
     # ------------------------------------------------------------------ starting
     def _start(self, s: Starting) -> State:

@@ -218,6 +218,10 @@ class FailureConfig:
     this long, doubling per failure up to ``backoff_max_s``."""
     backoff_max_s: float = 30.0
     """Upper bound on the restart wait."""
+    orphan_timeout_s: float = 300.0
+    """On a running Ray cluster (``ray job submit``, ``RAY_ADDRESS``) the ranks outlive a driver that dies:
+    the next submission of the run adopts them (docs/failures.md). A group that no driver contacts for this
+    many seconds stops by itself and frees its resources. The embedded Ray dies with its driver."""
     warm_restart: bool = True
     """After a failure, keep the healthy workers' processes and replace only the lost ones."""
     hot_spare: bool | Literal["auto"] = "auto"

@@ -73,6 +73,8 @@ SEED_MAX = 2**63 - 1
 """The largest ``training.seed``: torch's generators take 64-bit seeds and each epoch's permutation is
 seeded ``seed + epoch`` (``cluster.data.pipeline.epoch_seed``), so a seed near 2**64 would fail epochs in."""
 
+MIN_ORPHAN_TIMEOUT_S = 10.0
+"""The shortest ``failures.orphan_timeout_s``: a few of the driver's pulses (``worker_group.pulse``)."""
 MIN_HANG_TIMEOUT_S = 3.0
 """The shortest ``failures.hang_timeout_s``: the driver sees a rank's progress only at its heartbeat (every
 second, and a heartbeat may take up to a second more to answer), so a shorter timeout would call a healthy
@@ -239,6 +241,11 @@ def _validate_hang(f: FailureConfig) -> None:
         raise ConfigError(
             f"failures.hang_timeout_min_s={f.hang_timeout_min_s:g} is shorter than the driver's heartbeat "
             f"can measure: use at least {MIN_HANG_TIMEOUT_S:g}"
+        )
+    if f.orphan_timeout_s < MIN_ORPHAN_TIMEOUT_S:
+        raise ConfigError(
+            f"failures.orphan_timeout_s={f.orphan_timeout_s:g} is too short: the ranks of a live driver "
+            f"would take it for gone between two of its contacts; use at least {MIN_ORPHAN_TIMEOUT_S:g}"
         )
     if f.hang_warmup_steps < 0:
         raise ConfigError(f"failures.hang_warmup_steps={f.hang_warmup_steps} must be 0 or more")

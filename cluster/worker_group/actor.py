@@ -8,6 +8,7 @@ The actor runs with ``max_concurrency=2`` so the driver's heartbeat call (``hear
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import ipaddress
 import logging
@@ -21,28 +22,84 @@ import ray
 from cluster.core.errors import ConfigError
 from cluster.rank.dist import listen_on, store_address
 from cluster.rank.process import worker_env
+from cluster.rank.watchdog import DriverWatch
 from cluster.rank.worker import Worker
 from cluster.run.checkpoint import CommitRecord
+from cluster.seam.adoption import RankReport
 from cluster.seam.peers import PeerPlan, PeerState
 from cluster.seam.protocol import EpochResult, Heartbeat, SetupInfo
 from cluster.spec.config import JobConfig
 from cluster.spec.schedule import Window
+from cluster.worker_group.orphan import EpochOutcome, commit_fence, end_orphan, report
+from cluster.worker_group.pulse import Lineage, generation_of
 
 logger = logging.getLogger(__name__)
 
 
 class _WorkerActor:
     def __init__(
-        self, cfg: JobConfig, rank: int, world_size: int, run_url: str, attempt: int, task_cls: Any = None
+        self,
+        cfg: JobConfig,
+        rank: int,
+        world_size: int,
+        run_url: str,
+        attempt: int,
+        task_cls: Any = None,
+        lineage: Lineage | None = None,
     ) -> None:
         with worker_env(cfg):
             self.worker = Worker(cfg, rank, world_size, run_url, attempt, task_cls)
+        self.lineage = lineage
+        """Set on a detached rank (``cluster.worker_group.pulse``): it outlives its driver."""
+        self.watch = DriverWatch(generation_of(cfg), cfg.failures.orphan_timeout_s, self._orphaned)
+        """The generation served, the driver's last contact, the orphan timeout (``rank.watchdog``)."""
+        self.epochs = EpochOutcome()
+        if lineage is not None:
+            self.watch.start()
         # DistributedDataParallel's first construction imports torch._dynamo (~820 modules, 0.7-2.6 s on
         # 2 cores): on every rank's critical path. Import it now, while the driver checks the ranks' code
         # and hands out the store's address. (init_process_group waits for an import in progress: it
         # touches torch._dynamo when the module is in sys.modules. So the import overlaps the driver's
         # round trips, not the rendezvous itself.)
         threading.Thread(target=_import_dynamo, name="cluster-import-dynamo", daemon=True).start()
+
+    def call(self, generation: int, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Every call of a driver (``cluster.worker_group.calls.Stamped``): refused unless ``generation`` is
+        the one this rank serves; counts as the driver's contact."""
+        self.watch.contact(generation)
+        return getattr(self, name)(*args, **kwargs)
+
+    def touch(self) -> None:
+        """The driver's pulse (``cluster.worker_group.pulse``): ``call`` counted it."""
+
+    def report(self) -> RankReport:
+        """What this rank says of itself to a driver that looks for ranks to adopt (not a contact)."""
+        return report(self.worker, self.lineage, self.watch.generation, self.epochs)
+
+    def serve(self, generation: int, env: dict[str, str]) -> int:
+        """Adopted by the driver of ``generation``: only its calls count from now on, rank 0's commits are
+        fenced by it, and a later setup sees its ``env`` (its probe token and generation). Returns the pid."""
+        self.watch.serve(generation)
+        os.environ.update(env)
+        if self.lineage is not None:
+            self.lineage = dataclasses.replace(self.lineage, generation=generation)
+        return os.getpid()
+
+    def collect(self) -> EpochResult:
+        """The result of the last epoch this rank was given (waiting for its end): what a driver that adopted
+        it collects in place of the dead driver's call."""
+        return self.epochs.collect()
+
+    def _orphaned(self, silent_s: float) -> None:
+        """No driver for ``failures.orphan_timeout_s``: free the placement group (Ray ends every rank in it)
+        and end this process."""
+        logger.warning(
+            "no driver contacted this rank (rank %d) for %.0fs (failures.orphan_timeout_s): it stops and "
+            "frees its resources",
+            self.worker.rank,
+            silent_s,
+        )
+        end_orphan()
 
     def node(self) -> tuple[str, str]:
         ctx = ray.get_runtime_context()
@@ -76,7 +133,10 @@ class _WorkerActor:
         rollback: Window | None = None,
     ) -> SetupInfo:
         self._listen_near(host)
-        return self.worker.setup(host, port, peers, skips, rollback).info
+        session = self.worker.setup(host, port, peers, skips, rollback)
+        if self.lineage is not None:  # rank 0 commits only for a live driver of the generation it serves
+            session.store.fence = commit_fence(self.watch, session.store.storage)
+        return session.info
 
     def _listen_near(self, store_host: str) -> None:
         """This rank's gloo listens on loopback when the store does (the group is on one node), else on
@@ -90,7 +150,8 @@ class _WorkerActor:
     def run_epoch(
         self, epoch: int, start_step: int, dispatch: int = 0, evaluate_first: bool = False, seq: int = 0
     ) -> EpochResult:
-        return self.worker.run_epoch(epoch, start_step, dispatch, evaluate_first, seq)
+        with self.epochs.running(epoch, start_step, dispatch):
+            return self.epochs.done(self.worker.run_epoch(epoch, start_step, dispatch, evaluate_first, seq))
 
     def hold_stop(self, dispatch: int) -> int:
         return self.worker.hold_stop(dispatch)

@@ -59,7 +59,7 @@ def get_all(refs: list[Any], timeout: float) -> list[Any]:
 def kill(actor: Any, what: str) -> None:
     """``ray.kill`` that logs instead of raising: an actor already gone is what we wanted."""
     try:
-        ray.kill(actor, no_restart=True)
+        ray.kill(handle_of(actor), no_restart=True)
     except Exception as exc:
         logger.info("ray.kill of %s: %s", what, short(exc))
 
@@ -68,3 +68,35 @@ def short(err: BaseException) -> str:
     """The first line of an error (at most 300 characters), or its type's name when it has no text."""
     text = str(err).strip().splitlines()
     return text[0][:300] if text else type(err).__name__
+
+
+class Stamped:
+    """An actor handle whose calls carry the calling driver's lease generation: ``a.run_epoch.remote(...)``
+    reaches the actor as ``call(generation, "run_epoch", ...)``, which a rank refuses unless it serves that
+    generation (``cluster.rank.watchdog``). A driver that was taken over commands nothing more."""
+
+    __slots__ = ("generation", "handle")
+
+    def __init__(self, handle: Any, generation: int) -> None:
+        self.handle = handle
+        self.generation = generation
+
+    def __getattr__(self, name: str) -> _StampedMethod:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _StampedMethod(self.handle, self.generation, name)
+
+
+class _StampedMethod:
+    __slots__ = ("generation", "handle", "name")
+
+    def __init__(self, handle: Any, generation: int, name: str) -> None:
+        self.handle, self.generation, self.name = handle, generation, name
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self.handle.call.remote(self.generation, self.name, *args, **kwargs)
+
+
+def handle_of(actor: Any) -> Any:
+    """The Ray actor handle of ``actor`` (a :class:`Stamped` one or a plain handle)."""
+    return actor.handle if isinstance(actor, Stamped) else actor

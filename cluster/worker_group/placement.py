@@ -55,8 +55,12 @@ class Resources:
 class Placement:
     """The placement groups one worker group holds, and the bundle each of its ranks runs in."""
 
-    def __init__(self, cfg: JobConfig) -> None:
+    def __init__(self, cfg: JobConfig, name: Callable[[int], str] | None = None) -> None:
         self.cfg = cfg
+        self.name = name
+        """Detached placement groups (``cluster.worker_group.pulse``): the name of the n-th one made; None:
+        the groups end with the driver's job."""
+        self._made = 0
         self.pg: PlacementGroup | None = None
         self.slots: dict[int, Slot] = {}
         """rank -> (placement group, bundle index) it runs in: ``(self.pg, rank)`` unless the rank moved."""
@@ -133,9 +137,12 @@ class Placement:
         """A new placement group of ``n`` bundles, none on the nodes in ``avoid`` nor on a quarantined node
         (nor, Ray's rule, on a draining node); not waited for."""
         nodes = sorted({*(avoid or []), *self.avoid})
+        self._made += 1
         return placement_group(
             [self.bundle()] * n,
             strategy=self.cfg.scaling.placement_strategy,
+            name=self.name(self._made) if self.name is not None else "",
+            lifetime="detached" if self.name is not None else None,
             bundle_label_selector=avoid_selector(nodes, n) if nodes else None,
         )
 
@@ -195,6 +202,10 @@ class Placement:
 
     def adopt(self, res: Resources) -> None:
         self.pg, self.slots, self.extra_pgs = res.pg, dict(res.slots), list(res.extra_pgs)
+
+    def forget(self) -> None:
+        """Hold no placement group any more, leaving them to whoever holds them now (a newer driver)."""
+        self.pg, self.slots, self.extra_pgs = None, {}, []
 
     def remove(self) -> None:
         """Give every placement group back to Ray."""

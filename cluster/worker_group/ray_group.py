@@ -6,6 +6,7 @@ classifying errors and salvaging workers for the next group live in the modules 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Collection
 from typing import Any
@@ -27,9 +28,10 @@ from cluster.spec.schedule import Window
 from cluster.worker_group import classify as classify_
 from cluster.worker_group import salvage as salvage_
 from cluster.worker_group.actor import _WorkerActor, check_same_code
-from cluster.worker_group.calls import get_all, kill, read_later, read_settled, short
+from cluster.worker_group.calls import Stamped, get_all, kill, read_later, read_settled, short
 from cluster.worker_group.gang import MoveInProgress
 from cluster.worker_group.placement import Placement, Resources, Slot, bundle_nodes, draining
+from cluster.worker_group.pulse import Lineage, detached_options, generation_of, pulse, run_key, taken_over
 from cluster.worker_group.spare import HotSpare
 
 logger = logging.getLogger(__name__)
@@ -61,14 +63,22 @@ def connect_waves(world_size: int) -> list[list[int]]:
 class RayWorkerGroup:
     """One gang of DDP workers on Ray. ``start`` either returns with every rank set up or raises."""
 
-    def __init__(self, cfg: JobConfig, run_url: str, attempt: int, task_cls: Any = None) -> None:
+    def __init__(
+        self, cfg: JobConfig, run_url: str, attempt: int, task_cls: Any = None, detached: bool = False
+    ) -> None:
         self.cfg = cfg
         self.run_url = run_url
         self.attempt = attempt
         self.task_cls = task_cls
         """A Task class given to ``cluster.train(task=...)``: sent to every actor by value (cloudpickle), so a
         class defined in a notebook or a script's ``__main__`` reaches the workers."""
-        self.placement = Placement(cfg)
+        self.generation = generation_of(cfg)
+        """The driver's lease generation: every call to a rank carries it (``calls.Stamped``)."""
+        self.lineage = Lineage(run_key(run_url), self.generation) if detached else None
+        """Set on a running Ray cluster: the ranks and placement groups outlive the driver
+        (``cluster.worker_group.pulse``), for the next submission to adopt."""
+        lineage = self.lineage
+        self.placement = Placement(cfg, (lambda n: lineage.pg_name(attempt, n)) if lineage else None)
         self.move: MoveInProgress | None = None
         self._dispatch = 0  # numbers run_epoch calls, for planned stops
         self.actors: list[Any] = []
@@ -165,31 +175,45 @@ class RayWorkerGroup:
 
     def _new_actor(self, cls: Any, rank: int, world_size: int, slot: Slot, what: str) -> Any:
         s = self.cfg.scaling
-        return cls.options(
+        options: dict[str, Any] = {
+            "max_concurrency": 2,
+            "name": f"cluster:{self.cfg.name}:{what}:attempt{self.attempt}",
+        }
+        lineage = None
+        if self.lineage is not None:
+            lineage = dataclasses.replace(self.lineage, bundle=slot[1])
+            options = detached_options(self.lineage, self.attempt, what)
+        handle = cls.options(
             num_cpus=s.cpus_per_worker,
             num_gpus=s.gpus_per_worker if s.use_gpu else 0,
             resources=dict(s.resources_per_worker),
-            max_concurrency=2,
             max_restarts=0,
-            name=f"cluster:{self.cfg.name}:{what}:attempt{self.attempt}",
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=slot[0], placement_group_bundle_index=slot[1]
             ),
-        ).remote(self.cfg, rank, world_size, self.run_url, self.attempt, self.task_cls)
+            **options,
+        ).remote(self.cfg, rank, world_size, self.run_url, self.attempt, self.task_cls, lineage)
+        actor = Stamped(handle, self.generation)
+        if lineage is not None:
+            pulse(self.cfg).add(actor)
+        return actor
 
     def _start_spare(self, cls: Any) -> None:
         """failures.hot_spare: one idle, prepared worker that can take a dead rank's place at once."""
 
         def spawn(slot: Slot) -> Any:
-            return cls.options(  # no CPU of its own: it idles until it inherits a dead rank's bundle
-                num_cpus=0,
-                max_concurrency=2,
-                max_restarts=0,
-                name=f"cluster:{self.cfg.name}:spare:attempt{self.attempt}",
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=slot[0], placement_group_bundle_index=slot[1]
-                ),
-            ).remote(self.cfg, 0, self.world_size, self.run_url, self.attempt, self.task_cls)
+            return Stamped(
+                cls.options(  # no CPU of its own: it idles until it inherits a dead rank's bundle
+                    num_cpus=0,
+                    max_concurrency=2,
+                    max_restarts=0,
+                    name=f"cluster:{self.cfg.name}:spare:attempt{self.attempt}",
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=slot[0], placement_group_bundle_index=slot[1]
+                    ),
+                ).remote(self.cfg, 0, self.world_size, self.run_url, self.attempt, self.task_cls),
+                self.generation,
+            )
 
         self.spare_note = self.spare.start(self.cfg, self.placement.slots, self.nodes, spawn)
 
@@ -362,11 +386,35 @@ class RayWorkerGroup:
         self.placement.adopt(res)
         self._adopted = dict(salvage.actors)
 
+    def take_over(
+        self,
+        actors: list[Any],
+        nodes: list[tuple[str, str]],
+        infos: list[SetupInfo],
+        res: Resources,
+        dispatch: int,
+    ) -> None:
+        """Hold the ranks a previous driver left running (``cluster.worker_group.adoption``), set up and
+        given epoch number ``dispatch``: ``poll`` returns that epoch's result (their ``collect``)."""
+        self.actors, self.nodes, self.world_size = list(actors), list(nodes), len(actors)
+        self.pids = [i.pid for i in infos]
+        self.placement.adopt(res)
+        self._dispatch = dispatch
+        self.pending = [a.collect.remote() for a in self.actors]
+        for actor in self.actors:
+            pulse(self.cfg).add(actor)
+
     def shutdown(self, graceful: bool) -> None:
         """Graceful: destroy process groups and stop actors. Otherwise kill at once (a survivor may be
         blocked in a collective that will not return before the process-group timeout)."""
         self.spare.kill()
         self.cancel_move()
+        if self.lineage is not None and taken_over(self.cfg, self.run_url, self.generation):
+            # a newer driver took the run (and may have adopted these ranks): they are its to end
+            logger.warning("the run was taken over: its ranks are left to the driver that holds it now")
+            self.actors, self._adopted = [], {}
+            self.placement.forget()
+            return
         if graceful and self.actors:
             try:
                 ray.get([a.shutdown.remote() for a in self.actors], timeout=10)

@@ -1,0 +1,100 @@
+"""Adopting the ranks a previous driver left running (docs/failures.md, "driver dies"): what each rank
+reports of itself, the rule that decides whether they can be adopted, and what the driver is handed.
+
+The rule (:func:`refusal`) is plain data in, a reason out: the Ray side (``cluster.worker_group.adoption``)
+asks the ranks, the driver (``cluster.driver.driver``) records the outcome."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.seam.protocol import SetupInfo, WorkerGroup
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank a driver left behind says of itself (``_WorkerActor.report``)."""
+
+    run: str
+    """The run it trains (``cluster.worker_group.pulse.run_key``)."""
+    generation: int
+    """The lease generation it serves."""
+    world_size: int
+    rank: int
+    global_step: int
+    epoch: int
+    in_epoch: bool
+    """Still training the epoch it was given."""
+    dispatched: tuple[int, int, int] | None
+    """(epoch, start step, dispatch number) of the last epoch it was given; None: none yet."""
+    failed: str | None
+    """That epoch's error, when it raised."""
+    digest: str | None
+    """Its parameters' digest (``cluster.rank.replica``) when idle, else None."""
+    pid: int
+    info: SetupInfo | None
+    """Its setup's report (None: never set up)."""
+    slot: tuple[Any, int] | None = None
+    """(placement group, bundle index) it runs in."""
+
+
+def refusal(reports: list[RankReport | None], run: str, generation: int) -> str | None:
+    """Why the ranks of ``generation`` cannot be adopted (None: they can). Every rank must answer, serve
+    that generation of this run, be set up, agree on the world size (each rank once), have been given the
+    same epoch, have trained it without an error, and, once idle, stand at the same step with the same
+    parameters."""
+    if not reports:
+        return "no rank answered"
+    missing = sum(1 for r in reports if r is None)
+    if missing:
+        return f"{missing} of {len(reports)} ranks did not answer (gone or stuck)"
+    live = [r for r in reports if r is not None]
+    for r in live:
+        if r.run != run or r.generation != generation:
+            return (
+                f"rank {r.rank} serves run {r.run} generation {r.generation}, not {run} generation "
+                f"{generation}"
+            )
+        if r.info is None:
+            return f"rank {r.rank} was never set up"
+    sizes = {r.world_size for r in live}
+    if len(sizes) != 1:
+        return f"the ranks disagree on the world size: {sorted(sizes)}"
+    size = sizes.pop()
+    ranks = sorted(r.rank for r in live)
+    if ranks != list(range(size)):
+        return f"ranks {ranks} answered, not each of 0..{size - 1} once"
+    given = {r.dispatched for r in live}
+    if len(given) != 1 or None in given:
+        return "the ranks were not all given the same epoch"
+    failed = [r for r in live if r.failed is not None]
+    if failed:
+        return f"rank {failed[0].rank}'s epoch failed: {failed[0].failed}"
+    if any(r.in_epoch for r in live):
+        return None  # still training it together: the steps and parameters agree once it ends
+    steps = {r.global_step for r in live}
+    if len(steps) != 1:
+        return f"the ranks stand at different steps: {sorted(steps)}"
+    digests = {r.digest for r in live}
+    if len(digests) != 1 or None in digests:
+        return "the replicas' parameters disagree"
+    return None
+
+
+@dataclass
+class Adoption:
+    """The outcome of looking for a previous driver's ranks: a group already training (``group``), or why
+    they were not adopted (``refused``; they were stopped, the run resumes from storage)."""
+
+    from_generation: int
+    group: WorkerGroup | None = None
+    infos: list[SetupInfo] = field(default_factory=list)
+    epoch: int = 0
+    """The epoch the ranks were given; the group's ``poll`` returns its result."""
+    start_step: int = 0
+    step: int = 0
+    """The furthest step the ranks reached when adopted."""
+    probe_token: str | None = None
+    """The storage probe the adopted ranks were told (``cluster.run.storage.write_probe``)."""
+    refused: str | None = None

@@ -1,0 +1,115 @@
+"""The next driver's side of ranks that outlived their driver (docs/failures.md, "driver dies"): find the
+run's detached ranks (``cluster.worker_group.pulse``), ask each what it holds, and adopt them when they agree
+(``cluster.seam.adoption.refusal``): they are told the new lease generation before anything else, and the
+new driver collects the epoch they were given. Ranks that cannot be adopted are ended and their placement
+groups freed; the run resumes from storage as it would have."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+from ray.util.placement_group import remove_placement_group
+
+from cluster.run.lease import GENERATION_ENV
+from cluster.run.storage import PROBE_ENV, write_probe
+from cluster.seam.adoption import Adoption, RankReport, refusal
+from cluster.spec.config import JobConfig
+from cluster.worker_group.calls import Stamped, kill, short
+from cluster.worker_group.placement import Resources
+from cluster.worker_group.pulse import NAMESPACE, parse_name, run_key
+from cluster.worker_group.ray_group import RayWorkerGroup
+
+logger = logging.getLogger(__name__)
+
+ANSWER_S = 15.0
+"""Seconds the ranks get to answer a report or an adoption."""
+
+
+def adopt(
+    cfg: JobConfig, run_url: str, generation: int, task_cls: Any = None, storage: Any = None
+) -> Adoption | None:
+    """Adopt the ranks an earlier generation of this run left running, or stop them (saying why). None when
+    there are none. ``cfg``: the new driver's (its group's generation is ``generation``); ``storage``: the
+    run's, where the new storage probe is written."""
+    key = run_key(run_url)
+    found: dict[int, list[Any]] = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        parsed = parse_name(entry["name"]) if entry.get("namespace") == NAMESPACE else None
+        if parsed is None or parsed[0] != key:
+            continue
+        try:
+            found.setdefault(parsed[1], []).append(ray.get_actor(entry["name"], namespace=NAMESPACE))
+        except ValueError:  # gone since the listing
+            continue
+    if not found:
+        return None
+    previous = max((g for g in found if g < generation), default=None)
+    for gen, handles in found.items():
+        if gen != previous:
+            _end(handles, [], f"ranks of lease generation {gen}")
+    if previous is None:
+        return None
+    handles = found[previous]
+    reports = _reports(handles)
+    why = refusal(reports, key, previous)
+    if why is not None:
+        _end(handles, reports, "ranks that cannot be adopted")
+        return Adoption(from_generation=previous, refused=why)
+    by_rank = sorted(((r.rank, h, r) for h, r in zip(handles, reports) if r is not None), key=lambda t: t[0])
+    token = write_probe(storage) if storage is not None else None
+    env = {GENERATION_ENV: str(generation), **({PROBE_ENV: token} if token else {})}
+    try:
+        ray.get([h.serve.remote(generation, env) for _, h, _ in by_rank], timeout=ANSWER_S)
+    except Exception as exc:
+        _end(handles, reports, "ranks that did not take the new generation")
+        return Adoption(
+            from_generation=previous, refused=f"a rank did not take the new generation: {short(exc)}"
+        )
+    group_cfg = cfg
+    group = RayWorkerGroup(group_cfg, run_url, 0, task_cls, detached=True)
+    actors = [Stamped(h, generation) for _, h, _ in by_rank]
+    nodes = ray.get([a.node.remote() for a in actors], timeout=ANSWER_S)
+    infos = [r.info for _, _, r in by_rank if r.info is not None]
+    slots = {r.rank: r.slot for _, _, r in by_rank if r.slot is not None}
+    pgs = list({pg.id: pg for pg, _ in slots.values()}.values())
+    head = by_rank[0][2]
+    assert head.dispatched is not None  # refusal() checked it
+    epoch, start, dispatch = head.dispatched
+    group.take_over(actors, nodes, infos, Resources(None, slots, pgs), dispatch)
+    step = max(r.global_step for _, _, r in by_rank)
+    return Adoption(
+        from_generation=previous,
+        group=group,
+        infos=infos,
+        epoch=epoch,
+        start_step=start,
+        step=step,
+        probe_token=token,
+    )
+
+
+def _reports(handles: list[Any]) -> list[RankReport | None]:
+    refs = [h.report.remote() for h in handles]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=ANSWER_S)
+    out: list[RankReport | None] = []
+    for ref in refs:
+        try:
+            out.append(ray.get(ref, timeout=0) if ref in ready else None)
+        except Exception as exc:
+            logger.warning("a rank left by the previous driver did not report: %s", short(exc))
+            out.append(None)
+    return out
+
+
+def _end(handles: list[Any], reports: list[RankReport | None], what: str) -> None:
+    """Kill ``handles`` and free the placement groups their reports name."""
+    pgs = {r.slot[0].id: r.slot[0] for r in reports if r is not None and r.slot is not None}
+    for h in handles:
+        kill(h, what)
+    for pg in pgs.values():
+        try:
+            remove_placement_group(pg)
+        except Exception as exc:  # removed already, by an orphan's own timeout
+            logger.info("removing a placement group of %s: %s", what, short(exc))
