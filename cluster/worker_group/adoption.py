@@ -6,6 +6,7 @@ groups freed; the run resumes from storage as it would have."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -15,6 +16,7 @@ from ray.util.placement_group import remove_placement_group
 from cluster.run.lease import GENERATION_ENV
 from cluster.run.storage import PROBE_ENV, write_probe
 from cluster.seam.adoption import Adoption, RankReport, refusal
+from cluster.seam.protocol import ResumePoint
 from cluster.spec.config import JobConfig
 from cluster.worker_group.calls import Stamped, kill, short
 from cluster.worker_group.placement import Resources
@@ -77,8 +79,11 @@ def adopt(
     head = by_rank[0][2]
     assert head.dispatched is not None  # refusal() checked it
     epoch, start, dispatch = head.dispatched
-    group.take_over(actors, nodes, infos, Resources(None, slots, pgs), dispatch)
     step = max(r.global_step for _, _, r in by_rank)
+    spe = infos[0].steps_per_epoch
+    here = ResumePoint(step, epoch, max(0, step - epoch * spe), None, len(infos), source="adopted")
+    infos = [dataclasses.replace(i, resume=here) for i in infos]  # where they are, not where they began
+    group.take_over(actors, nodes, infos, Resources(None, slots, pgs), dispatch)
     return Adoption(
         from_generation=previous,
         group=group,

@@ -1,0 +1,107 @@
+"""The rules behind ranks that outlive their driver, without Ray: a rank's watch of its driver (the
+generation it serves, commits only for a live driver, the orphan timeout) and whether found ranks can be
+adopted (docs/failures.md, "driver dies")."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import replace
+
+import pytest
+
+from cluster.core.errors import ConfigError
+from cluster.rank.watchdog import DriverWatch, OrphanedError, StaleDriverError, pulse_every
+from cluster.seam.adoption import RankReport, refusal
+from cluster.seam.protocol import ResumePoint, SetupInfo
+from cluster.spec.load import from_dict
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_rank_obeys_only_the_generation_it_serves_and_moves_only_forward() -> None:
+    clock, fired = Clock(), []
+    watch = DriverWatch(3, 30.0, fired.append, clock)
+    watch.contact(3)
+    with pytest.raises(StaleDriverError, match="did not adopt it"):
+        watch.contact(4)  # a newer driver must adopt the rank first
+    watch.serve(4)
+    with pytest.raises(StaleDriverError, match="taken over"):
+        watch.contact(3)  # the old driver, woken up: refused
+    with pytest.raises(StaleDriverError):
+        watch.serve(3)
+    err = pickle.loads(pickle.dumps(StaleDriverError(3, 4)))  # crosses Ray as it is
+    assert (err.called, err.served) == (3, 4)
+
+
+def test_commits_need_a_driver_heard_within_three_pulses() -> None:
+    clock = Clock()
+    watch = DriverWatch(1, 30.0, lambda s: None, clock)
+    assert pulse_every(30.0) == 5.0 and pulse_every(600.0) == 5.0
+    clock.t += 15.0
+    watch.check_live()
+    clock.t += 0.5
+    with pytest.raises(OrphanedError, match="no live driver"):
+        watch.check_live()
+    watch.contact(1)
+    watch.check_live()
+    assert "no live driver" in str(pickle.loads(pickle.dumps(OrphanedError(16, 1))))
+
+
+def test_the_orphan_timeout_fires_once_and_a_refused_call_does_not_hold_it_off() -> None:
+    clock, fired = Clock(), []
+    watch = DriverWatch(2, 30.0, fired.append, clock)
+    clock.t += 29.0
+    with pytest.raises(StaleDriverError):
+        watch.contact(1)  # an old driver's pulse is no contact
+    assert not watch.poll()
+    clock.t += 2.0
+    assert watch.poll() and fired == [31.0]
+    clock.t += 10.0
+    assert not watch.poll() and len(fired) == 1
+
+
+def _report(rank: int, **kw: object) -> RankReport:
+    info = SetupInfo(rank, 2, "h", 100 + rank, "gloo", 10, ResumePoint(0, 0, 0, None), [], {})
+    base = RankReport(
+        run="k",
+        generation=1,
+        world_size=2,
+        rank=rank,
+        global_step=30,
+        epoch=1,
+        in_epoch=False,
+        dispatched=(1, 0, 2),
+        failed=None,
+        digest="d",
+        pid=100 + rank,
+        info=info,
+    )
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def test_found_ranks_are_adopted_only_when_all_answer_and_agree() -> None:
+    ok = [_report(0), _report(1)]
+    assert refusal(ok, "k", 1) is None
+    assert refusal([_report(0, in_epoch=True, global_step=12), _report(1, in_epoch=True)], "k", 1) is None
+    assert "did not answer" in str(refusal([_report(0), None], "k", 1))
+    assert "world size" in str(refusal([_report(0), _report(1, world_size=3)], "k", 1))
+    assert "each of 0..1" in str(refusal([_report(0), _report(0)], "k", 1))
+    assert "different steps" in str(refusal([_report(0), _report(1, global_step=29)], "k", 1))
+    assert "disagree" in str(refusal([_report(0), _report(1, digest="e")], "k", 1))
+    assert "same epoch" in str(refusal([_report(0), _report(1, dispatched=(1, 0, 3))], "k", 1))
+    assert "failed" in str(refusal([_report(0), _report(1, failed="RuntimeError: x")], "k", 1))
+    assert "never set up" in str(refusal([_report(0), _report(1, info=None)], "k", 1))
+    assert "generation" in str(refusal(ok, "k", 2))
+
+
+def test_orphan_timeout_is_validated_with_the_fix_named() -> None:
+    with pytest.raises(ConfigError, match=r"failures.orphan_timeout_s=5 is too short.*at least 10"):
+        from_dict({"task": "jobs.tasks.charlm:CharLMTask", "failures": {"orphan_timeout_s": 5}})
