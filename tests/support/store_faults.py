@@ -13,7 +13,6 @@ fault and after the recovery that redoes the operation on healthy storage:
 
 from __future__ import annotations
 
-import posixpath
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,18 +47,6 @@ class Backend:
 
     def storage(self, root: str, faults: Faults | None = None) -> Storage:
         return self.make(root, faults)
-
-    def clone(self, root: str) -> str:
-        """A new root holding a copy of every object under ``root`` (on S3: server-side copies), so that
-        each injection point starts from the same run without building it again."""
-        new = self.new_root()
-        fs, src = self.storage(root).open_fs_path("")
-        _, dst = self.storage(new).open_fs_path("")
-        for path in fs.find(src):
-            to = dst + path[len(src) :]
-            fs.makedirs(posixpath.dirname(to), exist_ok=True)  # a local folder; nothing on an object store
-            fs.copy(path, to)
-        return new
 
 
 def local_backend(tmp: str) -> Backend:
@@ -185,42 +172,25 @@ def bytes_kept(storage: Storage, step: int, original: bytes) -> bool:
 def walk(backend: Backend, scenario: Scenario) -> list[str]:
     """Run ``scenario`` once without faults (its injection points and end state, checked too), then once
     per injection point and mode (fail once / crash), checking the invariants after the fault and after
-    the recovery. Returns the points walked, for the test's report.
-
-    The run is built once (``scenario.setup`` on healthy storage) and each walk starts from a copy of it:
-    the same objects, byte for byte, for what is read before the operation (what verifies, the bytes
-    that must never be lost)."""
-    template = backend.new_root()
-    scenario.setup(CheckpointStore(backend.storage(template)))
-    start = Start(
-        template, verified_steps(backend.storage(template)), _originals(backend.storage(template), scenario)
-    )
-    root = backend.clone(template)
+    the recovery. Returns the points walked, for the test's report."""
+    root = backend.new_root()
     healthy = backend.storage(root)
+    scenario.setup(CheckpointStore(healthy))
+    before, originals = verified_steps(healthy), _originals(healthy, scenario)
     counter = Faults()
     scenario.op(CheckpointStore(backend.storage(root, counter)))
     expected = [i.step for i in CheckpointStore(healthy).list()]
     kept_free = verified_steps(healthy)
-    _check(healthy, scenario, start, kept_free, f"{scenario.name} without faults")
+    _check(healthy, scenario, before, kept_free, originals, f"{scenario.name} without faults")
     points = [(k, n) for k in ("write", "move", "delete") for n in range(1, counter.counts[k] + 1)]
     assert points, f"{scenario.name}: no injection point was reached"
     walked = []
     for at in points:
         for crash in (False, True):
             label = f"{scenario.name} {at[0]} #{at[1]} {'crash' if crash else 'fail'}"
-            _one(backend, scenario, start, at, crash, expected, kept_free, label)
+            _one(backend, scenario, at, crash, expected, kept_free, label)
             walked.append(label)
     return walked
-
-
-@dataclass
-class Start:
-    """The run every walk starts from, built once: where it is, the steps that verify in it, and the
-    bytes of the steps whose bytes must never be lost."""
-
-    root: str
-    verified: set[int]
-    originals: dict[int, bytes]
 
 
 def _originals(storage: Storage, scenario: Scenario) -> dict[int, bytes]:
@@ -230,32 +200,40 @@ def _originals(storage: Storage, scenario: Scenario) -> dict[int, bytes]:
 def _one(
     backend: Backend,
     scenario: Scenario,
-    start: Start,
     at: tuple[str, int],
     crash: bool,
     expected: list[int],
     kept_free: set[int],
     label: str,
 ) -> None:
-    root = backend.clone(start.root)
+    root = backend.new_root()
     healthy = backend.storage(root)
+    scenario.setup(CheckpointStore(healthy))
+    before, originals = verified_steps(healthy), _originals(healthy, scenario)
     faults = Faults(at, crash=crash)
     try:
         scenario.op(CheckpointStore(backend.storage(root, faults)))
     except (StorageError, CheckpointError):
         pass  # the operation failed: what matters is what it left behind
     assert faults.fired, f"{label}: the fault never fired"
-    _check(healthy, scenario, start, kept_free, f"{label}, after the fault")
+    _check(healthy, scenario, before, kept_free, originals, f"{label}, after the fault")
     scenario.op(CheckpointStore(backend.storage(root)))  # the recovery redoes it, on healthy storage
-    _check(healthy, scenario, start, kept_free, f"{label}, after the recovery")
+    _check(healthy, scenario, before, kept_free, originals, f"{label}, after the recovery")
     got = [i.step for i in CheckpointStore(healthy).list()]
     assert got == expected, f"{label}: after the recovery the run holds {got}, not {expected}"
 
 
-def _check(healthy: Storage, scenario: Scenario, start: Start, kept_free: set[int], label: str) -> None:
+def _check(
+    healthy: Storage,
+    scenario: Scenario,
+    before: set[int],
+    kept_free: set[int],
+    originals: dict[int, bytes],
+    label: str,
+) -> None:
     latest = newest_verified(healthy)
     assert latest >= scenario.floor, f"{label}: step {latest} is the latest, older than {scenario.floor}"
-    lost = (start.verified & kept_free) - verified_steps(healthy)
+    lost = (before & kept_free) - verified_steps(healthy)
     assert not lost, f"{label}: verified checkpoints {sorted(lost)} were deleted"
-    for step, data in start.originals.items():
+    for step, data in originals.items():
         assert bytes_kept(healthy, step, data), f"{label}: step {step}'s bytes are gone"
