@@ -527,6 +527,8 @@ class Driver(GroupModes):
         ranks (replacements, or fewer ranks), or go on with the same ranks when neither is possible."""
         assert self.group is not None
         m, group, head = s.move, self.group, s.results[0]
+        if m.stop_step is not None:  # an epoch that ended before the stop step stopped the group at its end
+            m.stop_step = min(m.stop_step, head.global_step)
         commits = group.finish()  # the checkpoint the stop asked for is committed before anything goes
         next_state = self._record_stretch(head, s.wall_s, s.recovery, whole=not head.stopped)
         self.announce.phase("moves")

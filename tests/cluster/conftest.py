@@ -21,14 +21,25 @@ from tests.conftest import REPO
 @pytest.fixture
 def ray_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A head with no CPUs (nothing trains there) that marks a node dead within about 3 s of its last
-    health check; the test adds the nodes it needs. Shut down after the test."""
+    health check; the test adds the nodes it needs. Shut down after the test.
+
+    Ray settings as the embedded Ray's (``cluster.api.local_ray``: no task events, no metrics, the quiet
+    daemons) and no runtime_env: every node's raylet inherits this environment (the repository on
+    PYTHONPATH), so actors take the workers each node prestarts instead of a job-specific start each
+    (side by side, an 8-rank job on three nodes: benchmarks/LOG.md)."""
     import ray
     from ray.cluster_utils import Cluster
+
+    from cluster.api.local_ray import _QUIET_ENV, _SYSTEM_CONFIG
 
     temp = tempfile.mkdtemp(prefix="rc", dir="/tmp")
     # Cluster writes the head's address to <RAY_TMPDIR or /tmp>/ray/ray_current_cluster, and fails where
     # that folder does not exist (a fresh machine): give it the test's own
     monkeypatch.setenv("RAY_TMPDIR", temp)
+    path = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", REPO if not path else f"{REPO}{os.pathsep}{path}")
+    for name, value in _QUIET_ENV.items():
+        monkeypatch.setenv(name, value)
     os.makedirs(os.path.join(temp, "ray"), exist_ok=True)
     cluster = Cluster(
         initialize_head=True,
@@ -37,6 +48,7 @@ def ray_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
             "include_dashboard": False,
             "temp_dir": temp,
             "_system_config": {
+                **_SYSTEM_CONFIG,
                 "health_check_period_ms": 1000,
                 "health_check_timeout_ms": 1000,
                 "health_check_failure_threshold": 3,
@@ -44,7 +56,7 @@ def ray_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         },
     )
     try:
-        ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": REPO}}, log_to_driver=False)
+        ray.init(address=cluster.address, log_to_driver=False)
         yield cluster
     finally:
         ray.shutdown()

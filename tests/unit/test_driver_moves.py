@@ -218,6 +218,34 @@ def test_a_slow_rank_is_moved_off_its_node_between_two_steps_when_asked_to() -> 
     assert not [e for e in ev if e["event"] in ("preemption_notice", "preemption_move", "failure")]
 
 
+class EndsFirst(SlowOne):
+    """The stop lands past the epoch's end (the ranks were at its last steps when asked to hold, as on a
+    loaded machine): the epoch ends whole first, and the group stops there (``Worker.stop_at``)."""
+
+    def stop(self, checkpoint: bool) -> int:
+        self.calls.append(f"stop(checkpoint={checkpoint})")
+        return (self.epoch + 1) * STEPS + 1  # one step past the epoch's end; poll returns the whole epoch
+
+    def salvage(self, failure: Failure | None, attempt: int, **kw: Any) -> Any:
+        self.stop_step = (self.epoch + 1) * STEPS  # the survivors' state: where the epoch ended
+        return super().salvage(failure, attempt, **kw)
+
+
+def test_a_move_whose_stop_falls_past_the_epoch_end_loses_no_step() -> None:
+    """The group stopped at the epoch's end, one step before the stop step it was given: the replacement
+    resumes there and nothing was lost (the event once said 1 lost step: the stop step, never reached,
+    counted as trained)."""
+    driver, _ = make(
+        {0: ["busy"] * 8}, ["training.epochs=2", "failures.slow_rank_action=move"], group_cls=EndsFirst
+    )
+    ScriptedGroup.move_script = ["placing", "preparing", "ready"]
+    result = driver.run()
+    assert result.status == "finished" and not result.failures
+    (moved,) = [e for e in driver.events.records() if e["event"] == "slow_rank_moved"]
+    assert moved["stop_step"] == moved["resume_step"] == STEPS, moved
+    assert moved["lost_steps"] == 0, moved
+
+
 def test_a_slow_rank_with_nowhere_to_go_stays_and_is_only_reported() -> None:
     driver, _ = make(
         {0: ["busy"] * 8},
