@@ -108,6 +108,8 @@ class HangVerdict:
     """The ranks found waiting inside a collective."""
     keep_survivors: bool = False
     """Whether the other ranks keep their processes (a suspect, and ``failures.warm_restart``)."""
+    timeout_from: str | None = None
+    """Where the hang timeout came from (``cluster.driver.policy.HangWatch.timeout_and_source``)."""
 
     def describe(self) -> str:
         """One sentence for the failure's message and the console."""

@@ -664,6 +664,9 @@ KINDS: dict[str, Kind] = _kinds(
             "suspect": "a hang: the rank that hangs, told apart from the ranks waiting for it (null: none)",
             "told_by": "a hang: how the suspect was told apart (its stacks, its step), or why no rank was",
             "survivors_kept": "a hang: whether the other ranks keep their processes (and state)",
+            "hang_timeout_from": "a hang: where its timeout came from: `failures.hang_timeout_s`, `warm-up` "
+            "(the floor, or 10x the slowest step), `warm` (the group's own steps and stalls) or `history` "
+            "(the run's earlier groups: docs/failures.md)",
         },
         lambda r: (
             f"failure: {r.get('kind')} on rank {r.get('rank')} at step {r.get('step')}{_first_line(r, 300)}"

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from functools import partial
 from typing import Any, TextIO
 
 from cluster.core.errors import (
@@ -55,7 +56,7 @@ from cluster.driver.outcomes import (
     final_commit_failed,
     unstarted_loss,
 )
-from cluster.driver.policy import FailurePolicy, HangStats, HangWatch
+from cluster.driver.policy import FailurePolicy, HangMemory, HangStats, HangWatch, checkpoints_on
 from cluster.driver.record import RunRecord
 from cluster.driver.recovery_plan import move_plan, peer_plan, rollback_window
 from cluster.driver.replica_rollback import after_mismatch
@@ -78,6 +79,7 @@ from cluster.driver.states import (
 )
 from cluster.inspect.runs import resume_advice
 from cluster.run.folder import RunFolder
+from cluster.run.history import read_past_groups
 from cluster.run.lease import FencedError, Lease
 from cluster.run.quarantine import Quarantine
 from cluster.run.storage import write_probe
@@ -154,6 +156,9 @@ class Driver(GroupModes):
         self._spare_announced = False  # the current group's hot spare was reported ready
         self._seen_step = 0  # the furthest step a heartbeat reported
         self._hang_stats = HangStats(0)  # the group's step statistics the automatic hang timeout uses
+        past = partial(read_past_groups, self.storage, self.record.events.records, cfg.to_dict())
+        self._hang_memory = HangMemory(cfg.failures, checkpoints_on(cfg.checkpoint), past)
+        """The run's earlier warm groups a new group's hang timeout starts from (``HangStats.history``)."""
 
     @property
     def events(self) -> Any:
@@ -350,17 +355,19 @@ class Driver(GroupModes):
         """The group is set up: take its position, record it, and train from where it resumed."""
         t_ready = time.time()
         head, r = infos[0], infos[0].resume
-        self.world_size, self.steps_per_epoch = len(infos), head.steps_per_epoch
         self.epoch, self.global_step = r.epoch, r.global_step
         self.skips = merge_windows([*self.skips, *r.skipped_steps])  # a checkpoint's (an earlier driver's)
         self._rollback = None
         assert self.group is not None
         spare_note = self.group.spare_note
         self._spare_announced = False
+        self._hang_memory.remember(self.world_size, self._hang_stats)  # the group it replaces
+        self.world_size, self.steps_per_epoch = len(infos), head.steps_per_epoch
         self.moves.new_group(infos)
-        c = self.cfg.checkpoint
-        warmup = self.cfg.failures.hang_warmup_steps
-        self._hang_stats = HangStats(r.global_step, warmup, c.every_steps > 0 or c.every_epochs > 0)
+        memory = self._hang_memory
+        self._hang_stats = HangStats(
+            r.global_step, self.cfg.failures.hang_warmup_steps, memory.checkpoint_expected
+        )
         if s.recovery is not None:
             s.recovery.group_started(t_reserved, t_ready, infos, r.global_step)
         self.announce.group_ready(self.attempt, infos, seconds, spare_note, self.skips, s.move, t_ready)
@@ -402,13 +409,15 @@ class Driver(GroupModes):
                 self.mode = None
                 # before the group is killed; they tell the hung rank from the ranks waiting for it
                 stacks = self._dump_stacks(f"hang: {hung[1]}", "hang", watch.max_step)
-                failure = hang_failure(hung, stacks, watch.steps(), self.cfg.failures.warm_restart)
+                source = watch.timeout_and_source()[1]
+                failure = hang_failure(hung, stacks, watch.steps(), self.cfg.failures.warm_restart, source)
                 return self._on_failure(failure, watch.max_step)
 
     def _heartbeat(self, watch: HangWatch) -> tuple[int, str] | None:
         """One heartbeat round while an epoch runs: rows, the hang watch, pace, the spare, the live bar."""
         beats = self._beats()
         hung = watch.update(beats)
+        self._hang_memory.seed(self._hang_stats, self.world_size)  # after the group's first step
         self._seen_step = watch.max_step
         may_move = self.mode is None and not self.stopping
         self._apply(self.moves.pace(beats, watch.max_step, self.attempt, may_move, self.world_size))

@@ -19,6 +19,8 @@ and they recover as from a dead worker, keeping their processes and state (``fai
 
 from __future__ import annotations
 
+import dataclasses
+
 from cluster.core.errors import Failure, HangVerdict
 from cluster.core.stacks import ThreadStack, ranges, where
 
@@ -110,12 +112,15 @@ def hang_failure(
     stacks: dict[int, list[ThreadStack] | None] | None,
     steps: dict[int, int],
     warm_restart: bool,
+    timeout_from: str | None = None,
 ) -> Failure:
     """The ``hang`` failure the hang watch found (``hung``: its rank and message), judged from the ranks'
-    ``stacks`` (None: they could not be taken): on the suspect's rank when there is one."""
+    ``stacks`` (None: they could not be taken): on the suspect's rank when there is one. ``timeout_from``:
+    where the hang timeout came from."""
     if stacks is None:
         verdict = HangVerdict(None, "the ranks' stacks could not be taken")
     else:
         verdict = judge(stacks, steps, warm_restart)
+    verdict = dataclasses.replace(verdict, timeout_from=timeout_from)
     rank = verdict.suspect if verdict.suspect is not None else hung[0]
     return Failure("hang", rank, f"{verdict.describe()}. {hung[1]}", hang=verdict)

@@ -4,14 +4,19 @@ stopped advancing). Pure logic, tested without processes."""
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from cluster.core.errors import Failure, WorkerError
+from cluster.run.history import PastGroup
 from cluster.seam.protocol import Heartbeat
-from cluster.spec.config import FailureConfig
+from cluster.spec.config import CheckpointConfig, FailureConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,19 @@ AUTO_HANG_FACTOR = 10
 stall)."""
 
 
+@dataclass(frozen=True)
+class HangHistory:
+    """What earlier warm groups of the run showed (``cluster.run.history``, or this driver's own groups):
+    the statistics a new group's automatic hang timeout starts from once it took its first step."""
+
+    warm_step_time: float
+    """The slowest step those groups took after their warm-up (as ``HangStats.warm_step_time``)."""
+    max_stall: float
+    """Their longest checkpoint stall."""
+    source: str
+    """Which groups: ``submission 1 attempt 0, ...`` (the hang timeout's ``from``)."""
+
+
 @dataclass
 class HangStats:
     """What one group's heartbeats showed so far (kept across its epochs): the statistics the automatic
@@ -108,6 +126,11 @@ class HangStats:
     max_stall: float = 0.0
     """The longest checkpoint stall rank 0 reported (``checkpoint_stall_s`` of its step rows)."""
     checkpoints: int = 0
+    history: HangHistory | None = None
+    """The run's earlier warm groups (of this world size and config): they make this group warm from its
+    first step on (``history_warm``)."""
+    history_asked: bool = False
+    """Whether the history was looked for (once per group, after its first step)."""
 
     def trained(self) -> bool:
         """Whether the group trained its warm-up steps."""
@@ -116,6 +139,15 @@ class HangStats:
     def warm(self) -> bool:
         """Whether the group trained its warm-up steps and, with checkpoints configured, took one."""
         return self.trained() and (self.checkpoints > 0 or not self.checkpoint_expected)
+
+    def stepped(self) -> bool:
+        """Whether the group took its first step (a restart's first steps may be slow: compilation, loaders,
+        CUDA set-up; until then nothing but its own warm-up counts)."""
+        return self.max_step > self.start_step
+
+    def history_warm(self) -> bool:
+        """Not warm by its own steps, but its first step is done and the run's history is warm."""
+        return self.history is not None and self.stepped() and not self.warm()
 
     def beat(self, beat: Heartbeat) -> None:
         self.max_step = max(self.max_step, beat.global_step)
@@ -136,6 +168,81 @@ class HangStats:
                 self.warm_step_time = max(self.warm_step_time, float(row.get("step_time_s") or 0.0))
 
 
+def checkpoints_on(c: CheckpointConfig) -> bool:
+    """Checkpoints are configured: a group's warm-up lasts until it took one."""
+    return c.every_steps > 0 or c.every_epochs > 0
+
+
+def past_stats(g: PastGroup, warmup_steps: int, checkpoint_expected: bool) -> HangStats:
+    """An earlier group's statistics, judged as the hang watch judged them (``HangStats.rows``) from the
+    rows and checkpoint events the run folder kept of it (``cluster.run.history``)."""
+    st = HangStats(g.start_step, warmup_steps, checkpoint_expected)
+    st.max_step = max(g.max_step, *(int(r.get("global_step") or 0) for r in g.rows), g.start_step)
+    st.rows(g.rows)
+    for stall in g.stalls:
+        st.checkpoints += 1
+        st.max_stall = max(st.max_stall, stall)
+    return st
+
+
+def warm_history(groups: list[tuple[str, HangStats]]) -> HangHistory | None:
+    """What the warm ones of ``groups`` (label, statistics) showed, the slowest of each; None when none
+    is warm or none logged a step after its warm-up (a history is never a guess)."""
+    warm = [(label, st) for label, st in groups if st.warm() and st.warm_step_time > 0]
+    if not warm:
+        return None
+    return HangHistory(
+        max(st.warm_step_time for _, st in warm),
+        max(st.max_stall for _, st in warm),
+        ", ".join(label for label, _ in warm[-3:]) + (f" and {len(warm) - 3} more" if len(warm) > 3 else ""),
+    )
+
+
+class HangMemory:
+    """The run's earlier groups a new group's hang timeout may start from (``HangStats.history``): those
+    of earlier submissions, read once when first asked (``load``: ``cluster.run.history``; a read that
+    fails only means no history), and this driver's own groups as each is replaced (``remember``). Only
+    groups of the same world size and (earlier submissions) the same step-shaping config count."""
+
+    def __init__(
+        self, cfg: FailureConfig, checkpoint_expected: bool, load: Callable[[], list[PastGroup]]
+    ) -> None:
+        self.cfg = cfg
+        self.checkpoint_expected = checkpoint_expected
+        self._load = load
+        self._past: list[tuple[int | None, str, HangStats]] | None = None
+        self._own: list[tuple[int | None, str, HangStats]] = []
+
+    def remember(self, world_size: int, stats: HangStats) -> None:
+        """A group of this driver ends: its own statistics (not those its history lent it) count for the
+        next ones when it was warm."""
+        if stats.warm():
+            label = f"this job's steps {stats.start_step}-{stats.max_step}"
+            self._own.append((world_size, label, dataclasses.replace(stats, history=None)))
+
+    def seed(self, stats: HangStats, world_size: int) -> None:
+        """Once the group took its first step: its history, looked for once (the read is off the start's
+        path: the group trains meanwhile)."""
+        if not stats.history_asked and stats.stepped():
+            stats.history_asked = True
+            stats.history = self.history(world_size)
+
+    def history(self, world_size: int) -> HangHistory | None:
+        if self._past is None:
+            self._past = []
+            try:
+                groups = self._load()
+            except Exception as exc:  # no history: the group warms up as it would without one
+                logger.warning(
+                    "the run's earlier step times could not be read (%s): %s", type(exc).__name__, exc
+                )
+                groups = []
+            for g in groups:
+                st = past_stats(g, self.cfg.hang_warmup_steps, self.checkpoint_expected)
+                self._past.append((g.world_size, f"submission {g.submission} attempt {g.attempt}", st))
+        return warm_history([(lb, st) for w, lb, st in [*self._past, *self._own] if w == world_size])
+
+
 class HangWatch:
     """Tracks each rank's step; a rank whose step stops advancing past the hang timeout is hung. An
     evaluation's batches count as progress too (``Heartbeat.eval_batches``): a long evaluation is no hang.
@@ -144,6 +251,15 @@ class HangWatch:
     ``failures.hang_warmup_steps`` steps and a checkpoint), at least ``failures.hang_timeout_floor_s`` and
     10x the slowest step it took; then at least ``failures.hang_timeout_min_s`` and 10x the slowest step
     since its warm-up; always 3x the longest checkpoint stall seen, at most 0.9x the process-group timeout.
+
+    A new group of a run that has a warm history (``HangStats.history``: earlier groups of the same world
+    size and step-shaping config that trained their warm-up and took a checkpoint: earlier submissions' as
+    the run folder recorded them, this driver's own as they ended; ``HangMemory``) is warm from its own
+    first step on: before that step the floor holds as ever (a restart's first step compiles, starts its
+    loaders, sets CUDA up); after it, the warm rule with the slowest warm step and the longest stall of the
+    history and of the group, and never longer than the warm-up's timeout would be (the history only ever
+    shortens it). Once the group is warm by its own steps, the history still counts: the warm rule over
+    both (the slower steps and longer stalls win). ``timeout_and_source`` says which rule gave the timeout.
     ``clock``: seconds, monotonic (tests inject one)."""
 
     def __init__(
@@ -181,16 +297,32 @@ class HangWatch:
         return {r: s for r, (s, _) in self._last.items()}
 
     def timeout(self) -> float:
-        if self.cfg.hang_timeout_s is not None:
-            return self.cfg.hang_timeout_s
-        st, f = self.stats, self.cfg
+        return self.timeout_and_source()[0]
+
+    def timeout_and_source(self) -> tuple[float, str]:
+        """The hang timeout, and where it comes from: ``failures.hang_timeout_s``, ``warm-up`` (the floor,
+        or the slowest step so far), ``warm`` (the group's own warm statistics) or ``history (...)``: the
+        run's earlier groups, which made it shorter (before this group is warm) or longer (after)."""
+        f = self.cfg
+        if f.hang_timeout_s is not None:
+            return f.hang_timeout_s, "failures.hang_timeout_s"
+        st, h = self.stats, self.stats.history
+        least = min(f.hang_timeout_min_s, f.hang_timeout_floor_s)
+        by_history = 0.0
+        if h is not None:
+            step_s, stall = max(st.warm_step_time, h.warm_step_time), max(st.max_stall, h.max_stall)
+            by_history = max(least, AUTO_HANG_FACTOR * step_s, 3 * stall)
         if st.warm():
-            least, step_s = min(f.hang_timeout_min_s, f.hang_timeout_floor_s), st.warm_step_time
+            auto, source = max(least, AUTO_HANG_FACTOR * st.warm_step_time, 3 * st.max_stall), "warm"
+            if by_history > auto:  # the history saw slower steps or stalls than this group did yet
+                auto, source = by_history, f"warm + history ({_source(h)})"
         else:
-            least, step_s = f.hang_timeout_floor_s, st.max_step_time
-        auto = max(least, AUTO_HANG_FACTOR * step_s, 3 * st.max_stall)
+            auto = max(f.hang_timeout_floor_s, AUTO_HANG_FACTOR * st.max_step_time, 3 * st.max_stall)
+            source = "warm-up"
+            if st.history_warm() and by_history < auto:  # the history only ever shortens the warm-up's
+                auto, source = by_history, f"history ({_source(h)})"
         # below the process-group timeout, so that a stuck collective is seen as a hang before it errors
-        return min(auto, 0.9 * self.cfg.process_group_timeout_s)
+        return min(auto, 0.9 * f.process_group_timeout_s), source
 
     def update(self, beats: list[Heartbeat | None]) -> tuple[int, str] | None:
         now = self._clock()
@@ -213,11 +345,16 @@ class HangWatch:
             age, _rank = max(stalled)
             if age > limit:
                 lowest = min(self._last.items(), key=lambda kv: kv[1][0])[0]
+                source = self.timeout_and_source()[1]
                 return lowest, (
-                    f"no progress for {age:.0f}s (hang timeout {limit:.0f}s); ranks stuck at step "
+                    f"no progress for {age:.0f}s (hang timeout {limit:.0f}s: {source}); ranks stuck at step "
                     f"{_steps_text(self._last)}, lowest rank {lowest}"
                 )
         return None
+
+
+def _source(h: HangHistory | None) -> str:
+    return "" if h is None else h.source
 
 
 def _steps_text(last: dict[int, tuple[int, float]]) -> str:

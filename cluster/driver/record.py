@@ -555,6 +555,7 @@ class RunRecord(DriverListener):
             suspect=hang.suspect if hang is not None else None,
             told_by=hang.how if hang is not None else None,
             survivors_kept=hang.keep_survivors if hang is not None else None,
+            hang_timeout_from=hang.timeout_from if hang is not None else None,
         )
 
     def decision(
