@@ -13,6 +13,7 @@ import os
 import secrets
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +28,7 @@ from cluster.run.goodput import run_goodput
 from cluster.run.lease import generations, read_holder
 from cluster.run.storage import Storage
 from cluster.worker_group.pulse import run_key
-from tests.cluster.rayproc import RAY, Head, owned_pids, run
+from tests.cluster.rayproc import RAY, REPO, Head, owned_pids, run
 from tests.cluster.test_job_submit import small, status, submit, workers_alive
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -186,19 +187,42 @@ def test_ranks_no_driver_comes_back_for_stop_within_the_orphan_timeout(head: Hea
 
 
 PROBE = """
-import sys, ray
+import sys, time, ray
 from cluster.rank.watchdog import StaleDriverError
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
-for entry in ray.util.list_named_actors(all_namespaces=True):
-    if entry["namespace"] != "cluster-ranks" or not entry["name"].startswith(sys.argv[2]):
-        continue
-    rank = ray.get_actor(entry["name"], namespace="cluster-ranks")
-    for generation in (1, 2):
-        try:
-            ray.get(rank.call.remote(generation, "touch"), timeout=60)
-            print("PROBE", entry["name"], generation, "obeyed")
-        except StaleDriverError as exc:
-            print("PROBE", entry["name"], generation, "refused", f"serves {exc.served}")
+
+
+def ranks():
+    out = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] == "cluster-ranks" and entry["name"].startswith(sys.argv[2] + ":"):
+            try:
+                out.append((entry["name"], ray.get_actor(entry["name"], namespace="cluster-ranks")))
+            except ValueError:
+                pass
+    return sorted(out)
+
+
+def answer(rank, generation):
+    try:
+        ray.get(rank.call.remote(generation, "touch"), timeout=60)
+        return "obeyed"
+    except StaleDriverError as exc:
+        return f"refused serves {exc.served}"
+    except Exception as exc:
+        return f"error {type(exc).__name__}"
+
+
+print("PROBE connected", flush=True)
+deadline = time.monotonic() + 300
+while time.monotonic() < deadline:  # until generation 2 adopted both ranks, then ask with either
+    found = ranks()
+    if len(found) == 2 and all(answer(rank, 2) == "obeyed" for _, rank in found):
+        for name, rank in found:
+            for generation in (1, 2):
+                print("PROBE", name, generation, answer(rank, generation), flush=True)
+        break
+    time.sleep(0.5)
 """
 
 
@@ -233,29 +257,50 @@ def test_a_paused_driver_taken_over_writes_nothing_and_its_ranks_obey_only_the_n
     assert first.returncode == 0, first.stdout[-4000:]
     pid = driver_at(storage_dir, name, 50)
     run_dir = Storage(os.path.join(storage_dir, name))
+    probe: subprocess.Popen[str] | None = None
     try:
         os.kill(pid, signal.SIGSTOP)
         ranks = sorted(workers_alive(head))
         assert len(ranks) == 2
         old_segments = segments(storage_dir, name)  # everything the paused driver wrote to the event log
+        # asks the ranks, from the moment the new driver adopted them, who they obey (before they end)
+        probe = subprocess.Popen(
+            [PYTHON, "-c", PROBE, f"127.0.0.1:{head.port}", run_key(run_dir.root)],
+            cwd=REPO,
+            env=head.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         second = submit(head, *args, options=("--no-wait", "--submission-id", new_id), env_vars=fast_lease)
         assert second.returncode == 0, second.stdout[-4000:]
         wait_for(lambda: any(e["event"] == "adopted" for e in events(storage_dir, name)), 240, "the adoption")
         took = read_holder(run_dir, 2)
         assert generations(run_dir) == [1, 2] and took is not None
-        probe = run([PYTHON, "-c", PROBE, f"127.0.0.1:{head.port}", run_key(run_dir.root)], head.env, 120)
-        lines = [ln.split(" ", 4) for ln in probe.stdout.splitlines() if ln.startswith("PROBE ")]
-        assert len(lines) == 4, probe.stdout[-4000:]  # two ranks, two generations each
+    except BaseException:
+        if probe is not None:
+            probe.kill()  # (by its pid: it is ours)
+            probe.wait(10)
+        raise
+    finally:
+        os.kill(pid, signal.SIGCONT)  # woken while the new driver trains with the ranks
+    assert probe is not None
+    try:
+        try:
+            said, _ = probe.communicate(timeout=240)
+        finally:
+            if probe.poll() is None:
+                probe.kill()
+                probe.wait(10)
+        lines = [ln.split(" ", 4) for ln in said.splitlines() if ln.startswith("PROBE ") and ":g" in ln]
+        assert len(lines) == 4, said[-4000:]  # two ranks, two generations each
         assert sorted((g, what) for _, _, g, what, *_ in lines) == [
             ("1", "refused"),
             ("1", "refused"),
             ("2", "obeyed"),
             ("2", "obeyed"),
-        ], probe.stdout[-4000:]
+        ], said[-4000:]
         assert all(ln[4] == "serves 2" for ln in lines if ln[3] == "refused"), lines
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    try:
         wait_for(lambda: status(head, old_id) not in ("PENDING", "RUNNING"), 180, "the woken driver's end")
         old_logs = head.job("logs", old_id, timeout=60).stdout
         assert status(head, old_id) == "FAILED", old_logs[-6000:]
