@@ -405,7 +405,8 @@ KINDS: dict[str, Kind] = _kinds(
     Kind(
         "adopted",
         "a submission on a running Ray cluster finds the ranks its previous driver left running, consistent, "
-        "and adopts them: same processes, no state moved, no step recomputed",
+        "and adopts them: same processes, no state moved, no step recomputed (their `group_started` follows, "
+        "`resume_source` adopted)",
         {
             "ranks": "how many ranks it adopted",
             "step": "the furthest step they had reached",

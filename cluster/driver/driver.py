@@ -294,11 +294,8 @@ class Driver(GroupModes):
             return None
         self._probe_token, self.group = a.probe_token, a.group
         self._placer = a.group
+        self.announce.adopted([i.pid for i in a.infos], a.step, a.from_generation)
         self._started(Starting(), a.infos, 0.0, time.time())
-        pids = [i.pid for i in a.infos]
-        self.announce.event(
-            "adopted", ranks=len(pids), step=a.step, from_generation=a.from_generation, pids=pids
-        )
         return Running(a.epoch, a.start_step, dispatched_at=time.time())
 
     def _drop_adopted(self) -> None:

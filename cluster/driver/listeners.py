@@ -67,6 +67,10 @@ class DriverListener:
         """Where the run's time goes from now on (``cluster.run.goodput``: the ledger's phases)."""
 
     # ------------------------------------------------------------------ starting
+    def adopted(self, pids: list[int], step: int, from_generation: int) -> None:
+        """The ranks a previous driver left running (``pids``, at ``step``) were adopted; their group's
+        ``group_ready`` follows."""
+
     def reserving(self, at: float) -> None:
         """A new group asks for room."""
 

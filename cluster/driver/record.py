@@ -210,6 +210,10 @@ class RunRecord(DriverListener):
             self.print(f"[{self.name}] {text}")
 
     # ------------------------------------------------------------------ starting
+    def adopted(self, pids: list[int], step: int, from_generation: int) -> None:
+        self.ledger.adopted(step)  # the steps they trained with no driver are kept
+        self.event("adopted", ranks=len(pids), step=step, from_generation=from_generation, pids=pids)
+
     def already_complete(self, global_step: int, early_stopped: bool) -> None:
         cfg = self.cfg
         self.event(

@@ -221,7 +221,7 @@ def _events_section(other_events: list[dict[str, Any]]) -> list[str]:
     group)."""
     out = []
     for e in other_events:
-        if e.get("event") in ("rollback", "rewound"):
+        if e.get("event") in ("rollback", "rewound", "adopted", "adoption_refused"):
             out.append(f"  {_when(e.get('time'))} {events.line(e.get('event'), e)}")
             continue
         if e.get("event") == "stacks":  # where the ranks stood (a hang, or asked for): the file, the groups

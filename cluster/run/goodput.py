@@ -212,6 +212,18 @@ class Ledger:
         self.attempt = attempt
         self.went_back(resume_step)
 
+    def adopted(self, step: int, t: float | None = None) -> None:
+        """The ranks a previous driver left running were adopted at ``step`` (docs/failures.md, "driver
+        dies"): the steps they trained while no driver was there are kept like any other, counted among the
+        steps (their seconds are the gap's ``driver_down``: no driver accounted for them), never recomputed
+        nor lost; and they train on from there, so the time from now on is a running stretch."""
+        t = time.time() if t is None else t
+        if step > self.step:
+            self.entries.append(["s", self.label, self.step, step, 0.0])
+            self.step = step
+        self.enter("running", t)
+        self.run_from = self.step
+
     def ran(
         self, first_step_at: float | None, start_step: int, end_step: int, t: float | None = None
     ) -> None:

@@ -11,7 +11,9 @@ import logging
 from typing import Any
 
 import ray
-from ray.util.placement_group import remove_placement_group
+from ray._raylet import PlacementGroupID
+from ray.util import placement_group_table
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from cluster.run.lease import GENERATION_ENV
 from cluster.run.storage import PROBE_ENV, write_probe
@@ -20,7 +22,7 @@ from cluster.seam.protocol import ResumePoint
 from cluster.spec.config import JobConfig
 from cluster.worker_group.calls import Stamped, kill, short
 from cluster.worker_group.placement import Resources
-from cluster.worker_group.pulse import NAMESPACE, parse_name, run_key
+from cluster.worker_group.pulse import NAMESPACE, parse_name, run_key, stale_placement_groups
 from cluster.worker_group.ray_group import RayWorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -34,7 +36,42 @@ def adopt(
 ) -> Adoption | None:
     """Adopt the ranks an earlier generation of this run left running, or stop them (saying why). None when
     there are none. ``cfg``: the new driver's (its group's generation is ``generation``); ``storage``: the
-    run's, where the new storage probe is written."""
+    run's, where the new storage probe is written. Either way, the placement groups older generations of the
+    run left behind and that the adopted group does not hold are removed (:func:`free_leftovers`)."""
+    adoption = _adopt(cfg, run_url, generation, task_cls, storage)
+    keep: list[str] = []
+    if adoption is not None and isinstance(adoption.group, RayWorkerGroup):
+        keep = [pg.id.hex() for pg in adoption.group.placement.groups()]
+    free_leftovers(run_key(run_url), generation, keep)
+    return adoption
+
+
+def free_leftovers(key: str, generation: int, keep: list[str]) -> list[str]:
+    """Remove the placement groups of run ``key`` that drivers of generations before ``generation`` made and
+    nobody holds (``pulse.stale_placement_groups``): every rank in them died (killed, a lost node) before
+    its orphan timeout could free them. Returns their ids."""
+    try:
+        table = placement_group_table()
+    except Exception as exc:  # the listing failed: the orphans' own timeouts still free the rest
+        logger.warning("could not list the placement groups left by earlier drivers: %s", short(exc))
+        return []
+    stale = stale_placement_groups(table, key, generation, keep)
+    for pg_id in stale:
+        logger.warning(
+            "removing placement group %s (%s): an earlier driver of this run left it with no rank in it",
+            table[pg_id].get("name"),
+            pg_id,
+        )
+        try:
+            remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(pg_id)))
+        except Exception as exc:  # removed meanwhile (an orphan's timeout)
+            logger.info("removing placement group %s: %s", pg_id, short(exc))
+    return stale
+
+
+def _adopt(
+    cfg: JobConfig, run_url: str, generation: int, task_cls: Any = None, storage: Any = None
+) -> Adoption | None:
     key = run_key(run_url)
     found: dict[int, list[Any]] = {}
     for entry in ray.util.list_named_actors(all_namespaces=True):

@@ -203,6 +203,12 @@ class Placement:
     def adopt(self, res: Resources) -> None:
         self.pg, self.slots, self.extra_pgs = res.pg, dict(res.slots), list(res.extra_pgs)
 
+    def groups(self) -> list[PlacementGroup]:
+        """Every placement group this group holds (its ranks' and any other)."""
+        pgs = ([self.pg] if self.pg is not None else []) + self.extra_pgs
+        pgs += [pg for pg, _ in self.slots.values()]
+        return list({pg.id.hex(): pg for pg in pgs}.values())
+
     def forget(self) -> None:
         """Hold no placement group any more, leaving them to whoever holds them now (a newer driver)."""
         self.pg, self.slots, self.extra_pgs = None, {}, []

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +71,25 @@ def parse_name(name: str) -> tuple[str, int] | None:
     if len(parts) < 4 or not parts[1].startswith("g") or not parts[1][1:].isdigit():
         return None
     return parts[0], int(parts[1][1:])
+
+
+def stale_placement_groups(
+    table: dict[str, dict[str, Any]], run: str, generation: int, keep: Collection[str] = ()
+) -> list[str]:
+    """The ids of the placement groups in ``table`` (``ray.util.placement_group_table()``: id -> entry with
+    ``name`` and ``state``) that run ``run``'s drivers of lease generations older than ``generation`` made
+    and that nobody holds now: not removed yet and not in ``keep`` (the ids of an adopted group's). Their
+    ranks are gone (killed, or never adopted), so no orphan's timeout will free them. A newer generation's
+    (a driver that took the run over) and this generation's own are never listed."""
+    out = []
+    for pg_id, entry in table.items():
+        parsed = parse_name(str(entry.get("name") or ""))
+        if parsed is None or parsed[0] != run or parsed[1] >= generation:
+            continue
+        if entry.get("state") == "REMOVED" or pg_id in keep:
+            continue
+        out.append(pg_id)
+    return sorted(out)
 
 
 class Pulse:

@@ -14,6 +14,7 @@ from cluster.rank.watchdog import DriverWatch, OrphanedError, StaleDriverError, 
 from cluster.seam.adoption import RankReport, refusal
 from cluster.seam.protocol import ResumePoint, SetupInfo
 from cluster.spec.load import from_dict
+from cluster.worker_group.pulse import Lineage, stale_placement_groups
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -105,3 +106,23 @@ def test_found_ranks_are_adopted_only_when_all_answer_and_agree() -> None:
 def test_orphan_timeout_is_validated_with_the_fix_named() -> None:
     with pytest.raises(ConfigError, match=r"failures.orphan_timeout_s=5 is too short.*at least 10"):
         from_dict({"task": "jobs.tasks.charlm:CharLMTask", "failures": {"orphan_timeout_s": 5}})
+
+
+def test_the_next_driver_frees_only_older_generations_placement_groups_nobody_holds() -> None:
+    """Placement groups whose ranks all died (killed before their orphan timeout) have no rank left to free
+    them: the next driver removes those of this run's older generations that it did not adopt."""
+    mine, other = Lineage("k", 1), Lineage("j", 1)
+    table = {
+        "a": {"name": mine.pg_name(0, 0), "state": "CREATED"},  # generation 1, ranks gone: freed
+        "b": {"name": Lineage("k", 2).pg_name(1, 1), "state": "CREATED"},  # generation 2, adopted: kept
+        "c": {"name": Lineage("k", 2).pg_name(1, 2), "state": "PENDING"},  # generation 2, a move's: freed
+        "d": {"name": mine.pg_name(0, 1), "state": "REMOVED"},  # removed already
+        "e": {"name": Lineage("k", 3).pg_name(0, 0), "state": "CREATED"},  # this driver's own
+        "f": {"name": Lineage("k", 4).pg_name(0, 0), "state": "CREATED"},  # a newer driver's: never
+        "g": {"name": other.pg_name(0, 0), "state": "CREATED"},  # another run's
+        "h": {"name": "", "state": "CREATED"},  # not the product's
+        "i": {"name": "cluster:tiny:rank0:attempt0", "state": "CREATED"},
+    }
+    assert stale_placement_groups(table, "k", 3, keep=["b"]) == ["a", "c"]
+    assert stale_placement_groups(table, "k", 3) == ["a", "b", "c"]
+    assert stale_placement_groups(table, "k", 1) == []

@@ -184,3 +184,23 @@ def test_a_driver_killed_before_its_first_epoch_ended_is_accounted_from_its_even
     adds_up(g, 56.0)  # from the first driver's run_start
     assert g.seconds["starting"] == 4.0 + 1.0 and g.seconds["driver_down"] == 36.0
     assert g.steps == {"productive": 5 + 4, "recomputed": 0}
+
+
+def test_adopted_ranks_steps_trained_while_no_driver_was_there_are_kept_not_lost() -> None:
+    """Killed at step 5 (its last beat at 24); its ranks train on with no driver to step 30, where the next
+    submission (started at 60) adopts them at 62; they end the epoch at step 40 at 72."""
+    events: list[dict[str, Any]] = [
+        {"time": 10.0, "event": "run_start"},
+        {"time": 14.0, "event": "group_started", "attempt": 0, "resume_step": 0},
+    ]
+    led = ledger_for(60.0, 2, events, {"time": 24.0, "global_step": 5})
+    led.adopted(30, 62.0)
+    led.started(0, 30)  # the adopted group: where the ranks stand
+    led.progressed(35, 67.0, first_at=15.0)  # a heartbeat: the group's first step was long ago
+    led.ran(15.0, 0, 40, t=72.0)  # the epoch they were given, collected
+    g = led.goodput(72.0)
+    adds_up(g, 62.0)
+    assert g.seconds["driver_down"] == 36.0  # the previous driver's last sign of life to this start
+    assert g.seconds["starting"] == 4.0 + 2.0  # the first group's start, and this driver's up to adopting
+    assert g.seconds["productive"] == pytest.approx(10.0 + 10.0)  # 14-24 and 62-72
+    assert g.steps == {"productive": 40, "recomputed": 0}  # 1-5, 6-30 (no driver), 31-40

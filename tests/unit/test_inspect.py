@@ -221,3 +221,16 @@ def test_rows_written_beside_commits_fill_only_the_steps_the_driver_wrote_no_row
         (6, False),
         (7, False),
     ]
+
+
+def test_show_says_where_ranks_a_previous_driver_left_were_adopted_or_why_not() -> None:
+    from cluster.inspect.render import _events_section
+
+    adopted = ev("adopted", ranks=2, step=212, from_generation=1, pids=[7, 8])
+    refused = ev("adoption_refused", why="1 of 2 ranks did not answer (gone or stuck)", from_generation=2)
+    lines = _events_section([adopted, refused])
+    assert lines[0].endswith("adopted 2 ranks at step 212 from the previous driver"), lines
+    assert lines[1].endswith(
+        "the previous driver's ranks were not adopted (1 of 2 ranks did not answer (gone or stuck)): "
+        "resuming from storage"
+    ), lines
