@@ -58,6 +58,7 @@ from cluster.driver.outcomes import (
 )
 from cluster.driver.policy import FailurePolicy, HangMemory, HangStats, HangWatch, checkpoints_on
 from cluster.driver.record import RunRecord
+from cluster.driver.record_moves import MoveRecord
 from cluster.driver.recovery_plan import move_plan, peer_plan, rollback_window
 from cluster.driver.replica_rollback import after_mismatch
 from cluster.driver.result import Result, result_of
@@ -129,7 +130,7 @@ class Driver(GroupModes):
         self.run_url = self.folder.url
         self.record = RunRecord(cfg, self.folder, out or sys.stdout)
         self.record.t0 = started_at or time.time()  # the goodput ledger's start (``cluster.run.goodput``)
-        self.announce: DriverListener = Announcer(self.record)
+        self.announce: DriverListener = Announcer(self.record, MoveRecord(self.record.event))
         """Where the driver says what happened (``cluster.driver.listeners``); the record listens first."""
         self.control = RunControl(self.storage, cfg.training.time_limit_s)
         self.moves = MoveWatch(cfg, self.announce)

@@ -253,7 +253,7 @@ class RunRecord(DriverListener):
     ) -> None:
         """A group is set up: the steps it skips, the checkpoints it passed over, the rollback it made, the
         live bar, the ``group_started`` event and its line saying where it starts (and this submission's
-        config in ``run.json``), and the move it finished."""
+        config in ``run.json``); the move it finished is ``MoveRecord``'s."""
         head, r = infos[0], infos[0].resume
         self.ledger.skips = list(skips)  # steps that train no batch are neither kept nor redone
         for step, reason in head.skipped_checkpoints:
@@ -290,8 +290,6 @@ class RunRecord(DriverListener):
         )
         self.started()
         self.eval_total = head.eval_batches
-        if move is not None:
-            self.moved(move, infos, t_ready)
 
     # ------------------------------------------------------------------ training
     def heartbeat(self, beats: list[Any], epoch: int, attempt: int) -> None:
@@ -609,59 +607,6 @@ class RunRecord(DriverListener):
             set_aside=back.get("set_aside", []),
             resume_step=resume_step,
         )
-
-    # ------------------------------------------------------------------ moves
-    def preemption_notice(self, m: Move, now: float, step: int) -> None:
-        for n in m.notices:
-            left = n.seconds_left(now)
-            self.event(
-                "preemption_notice",
-                node=n.node_id,
-                ranks=list(n.ranks),
-                deadline=n.deadline,
-                seconds_left=None if left is None else round(left, 1),
-                step=step,
-            )
-
-    def slow_rank_move(self, rank: int, host: str, node: str, step: int, via: str) -> None:
-        self.event("slow_rank_move", rank=rank, host=host, node=node, step=step, via=via)
-
-    def slow_rank_move_failed(self, ranks: list[int], why: str) -> None:
-        self.event("slow_rank_move_failed", ranks=ranks, reason=why)
-
-    def preemption_checkpoint(self, m: Move, step: int, committed: bool) -> None:
-        self.event(
-            "preemption_checkpoint",
-            step=step,
-            committed=committed,
-            ranks=m.ranks,
-            reason=m.reason,
-            seconds_before_deadline=(round(m.deadline - time.time(), 1) if m.deadline is not None else None),
-        )
-
-    def moved(self, m: Move, infos: list[SetupInfo], t_ready: float) -> None:
-        r = infos[0].resume
-        event = ("slow_rank_moved" if m.slow else "preemption_move") if m.replaced else "resize"
-        fields: dict[str, Any] = {
-            "ranks": m.ranks,
-            "from_nodes": sorted(m.nodes),
-            "stop_step": m.stop_step,
-            "resume_step": r.global_step,
-            "lost_steps": max(0, (m.stop_step or 0) - r.global_step),
-            "source": r.source,
-            "stall_s": round(t_ready - (m.stop_requested_at or t_ready), 3),
-            "seconds_before_deadline": round(m.deadline - t_ready, 1) if m.deadline is not None else None,
-            "notice_to_moved_s": round(t_ready - m.noticed_at, 3),
-        }
-        if m.replaced:
-            fields["to_nodes"] = [infos[rank].node_id for rank in m.ranks]
-            fields["bytes"] = max(i.resume.nbytes for i in infos)
-            if m.reason:
-                fields["note"] = m.reason
-        else:
-            fields = {"old": len(infos) + len(m.ranks), "new": len(infos), "at_step": m.stop_step, **fields}
-            fields["reason"] = f"preemption: {m.reason}"
-        self.event(event, **fields)
 
 
 def make_tracker(cfg: JobConfig, storage: Storage, events: EventLog) -> Tracker | None:

@@ -7,11 +7,18 @@ from typing import Any
 
 from cluster.driver.listeners import ANNOUNCEMENTS, Announcer, DriverListener
 from cluster.driver.record import RunRecord
+from cluster.driver.record_moves import MoveRecord
 
 
-def test_the_record_listens_to_every_announcement_but_bare_transitions() -> None:
-    inherited = [n for n in ANNOUNCEMENTS if getattr(RunRecord, n) is getattr(DriverListener, n)]
-    assert inherited == ["state_changed"]
+def test_the_records_listen_to_every_announcement_but_bare_transitions() -> None:
+    def heard_by(cls: type) -> set[str]:
+        return {n for n in ANNOUNCEMENTS if getattr(cls, n) is not getattr(DriverListener, n)}
+
+    record, moves = heard_by(RunRecord), heard_by(MoveRecord)
+    assert [n for n in ANNOUNCEMENTS if n not in record | moves] == ["state_changed"]
+    # the record writes a group's group_started, the move record the move it finished after it: no
+    # announcement is written twice
+    assert record & moves == {"group_ready"}
 
 
 def test_the_announcer_hands_each_announcement_to_its_listeners_in_order() -> None:
