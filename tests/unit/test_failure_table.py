@@ -58,6 +58,8 @@ ROWS: dict[str, list[str]] = {
     "the driver dies": [
         "tests/ray/test_driver_kill_rows.py::test_a_killed_driver_s_rows_are_on_storage_and_the_resubmission_completes_them",
         "tests/ray/test_lease_jobs.py::test_a_second_job_is_refused_and_a_paused_one_is_taken_over_and_fenced",
+        "tests/cluster/test_driver_failover.py::test_a_killed_driver_s_ranks_are_adopted_by_the_next_submission",
+        "tests/cluster/test_driver_failover.py::test_ranks_no_driver_comes_back_for_stop_within_the_orphan_timeout",
     ],
     "a bad config or storage URL": [
         "tests/unit/test_mistakes.py::test_a_mistake_is_refused_up_front_in_one_line",
