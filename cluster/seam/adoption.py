@@ -39,6 +39,19 @@ class RankReport:
     """(placement group, bundle index) it runs in."""
 
 
+def unused(reports: list[RankReport | None]) -> list[int]:
+    """The indices of ``reports`` that are replacements a move had prepared and never set up (a drain
+    notice's move still in progress when the driver died): a rank never set up and never given an epoch,
+    whose rank number another rank of the group holds set up. They are no part of the group: the next
+    driver ends them (and prepares its own move, seeing the same drain notice)."""
+    held = {r.rank for r in reports if r is not None and r.info is not None}
+    return [
+        i
+        for i, r in enumerate(reports)
+        if r is not None and r.info is None and r.dispatched is None and r.rank in held
+    ]
+
+
 def refusal(reports: list[RankReport | None], run: str, generation: int) -> str | None:
     """Why the ranks of ``generation`` cannot be adopted (None: they can). Every rank must answer, serve
     that generation of this run, be set up, agree on the world size (each rank once), have been given the

@@ -17,7 +17,7 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from cluster.run.lease import GENERATION_ENV
 from cluster.run.storage import PROBE_ENV, write_probe
-from cluster.seam.adoption import Adoption, RankReport, refusal
+from cluster.seam.adoption import Adoption, RankReport, refusal, unused
 from cluster.seam.protocol import ResumePoint
 from cluster.spec.config import JobConfig
 from cluster.worker_group.calls import Stamped, kill, short
@@ -92,6 +92,14 @@ def _adopt(
         return None
     handles = found[previous]
     reports = _reports(handles)
+    extra = unused(reports)
+    if extra:
+        logger.warning(
+            "ending %d replacement(s) a move of the previous driver had prepared but not begun", len(extra)
+        )
+        _end([handles[i] for i in extra], [reports[i] for i in extra], "an unused move replacement")
+        handles = [h for i, h in enumerate(handles) if i not in extra]
+        reports = [r for i, r in enumerate(reports) if i not in extra]
     why = refusal(reports, key, previous)
     if why is not None:
         _end(handles, reports, "ranks that cannot be adopted")

@@ -11,7 +11,7 @@ import pytest
 
 from cluster.core.errors import ConfigError
 from cluster.rank.watchdog import DriverWatch, OrphanedError, StaleDriverError, pulse_every
-from cluster.seam.adoption import RankReport, refusal
+from cluster.seam.adoption import RankReport, refusal, unused
 from cluster.seam.protocol import ResumePoint, SetupInfo
 from cluster.spec.load import from_dict
 from cluster.worker_group.pulse import Lineage, stale_placement_groups
@@ -126,3 +126,18 @@ def test_the_next_driver_frees_only_older_generations_placement_groups_nobody_ho
     assert stale_placement_groups(table, "k", 3, keep=["b"]) == ["a", "c"]
     assert stale_placement_groups(table, "k", 3) == ["a", "b", "c"]
     assert stale_placement_groups(table, "k", 1) == []
+
+
+def test_a_move_s_unbegun_replacements_are_set_aside_and_the_group_is_still_adopted() -> None:
+    """A drain notice's move in progress when the driver died: its replacements (never set up, never
+    given an epoch) stand beside the ranks they were to replace; they are no part of the group."""
+    group = [_report(0), _report(1)]
+    moving = [_report(1, info=None, dispatched=None), _report(0, info=None, dispatched=None)]
+    reports = [group[0], moving[0], group[1], moving[1]]
+    assert "never set up" in str(refusal(reports, "k", 1))  # as the rule alone sees them
+    extra = unused(reports)
+    assert extra == [1, 3]
+    assert refusal([r for i, r in enumerate(reports) if i not in extra], "k", 1) is None
+    # a rank whose only process was never set up is no replacement: the group is refused
+    lone = [_report(0), _report(1, info=None, dispatched=None)]
+    assert unused(lone) == [] and "never set up" in str(refusal(lone, "k", 1))
