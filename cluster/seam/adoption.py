@@ -40,16 +40,37 @@ class RankReport:
 
 
 def unused(reports: list[RankReport | None]) -> list[int]:
-    """The indices of ``reports`` that are replacements a move had prepared and never set up (a drain
-    notice's move still in progress when the driver died): a rank never set up and never given an epoch,
-    whose rank number another rank of the group holds set up. They are no part of the group: the next
-    driver ends them (and prepares its own move, seeing the same drain notice)."""
+    """The indices of ``reports`` that are processes the previous driver had prepared and not begun: the
+    replacements of a drain notice's move still in progress when it died, an idle hot spare (it reports its
+    placeholder rank 0). Each was never set up nor given an epoch, and its rank number is held by a rank of
+    the group that was. They are no part of the group: the next driver ends them (and makes its own spare
+    and move, seeing the same drain notice)."""
     held = {r.rank for r in reports if r is not None and r.info is not None}
     return [
         i
         for i, r in enumerate(reports)
         if r is not None and r.info is None and r.dispatched is None and r.rank in held
     ]
+
+
+def spare_slots(
+    slots: dict[int, tuple[Any, int]], spare_rank: int | None, bundles: dict[Any, int]
+) -> dict[int, tuple[Any, int]]:
+    """The ranks' slots as the previous driver kept them: a hot spare that became rank ``spare_rank`` runs in
+    the bundle it was started in (a live rank's, with no CPU of its own), while its driver counted it in the
+    dead rank's bundle; that is the one bundle of its placement group (``bundles``: placement group -> its
+    number of bundles) no other rank holds. Without a spare, or with no such single bundle, ``slots`` as
+    they are."""
+    if spare_rank is None or spare_rank not in slots:
+        return slots
+    pg, index = slots[spare_rank]
+    others = {i for r, (p, i) in slots.items() if r != spare_rank and p == pg}
+    if index not in others:
+        return slots
+    free = [i for i in range(bundles.get(pg, 0)) if i not in others]
+    if len(free) != 1:
+        return slots
+    return {**slots, spare_rank: (pg, free[0])}
 
 
 def refusal(reports: list[RankReport | None], run: str, generation: int) -> str | None:

@@ -17,12 +17,12 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from cluster.run.lease import GENERATION_ENV
 from cluster.run.storage import PROBE_ENV, write_probe
-from cluster.seam.adoption import Adoption, RankReport, refusal, unused
+from cluster.seam.adoption import Adoption, RankReport, refusal, spare_slots, unused
 from cluster.seam.protocol import ResumePoint
 from cluster.spec.config import JobConfig
 from cluster.worker_group.calls import Stamped, kill, short
 from cluster.worker_group.placement import Resources
-from cluster.worker_group.pulse import NAMESPACE, parse_name, run_key, stale_placement_groups
+from cluster.worker_group.pulse import NAMESPACE, SPARE_ROLE, parse_name, run_key, stale_placement_groups
 from cluster.worker_group.ray_group import RayWorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -73,15 +73,7 @@ def _adopt(
     cfg: JobConfig, run_url: str, generation: int, task_cls: Any = None, storage: Any = None
 ) -> Adoption | None:
     key = run_key(run_url)
-    found: dict[int, list[Any]] = {}
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        parsed = parse_name(entry["name"]) if entry.get("namespace") == NAMESPACE else None
-        if parsed is None or parsed[0] != key:
-            continue
-        try:
-            found.setdefault(parsed[1], []).append(ray.get_actor(entry["name"], namespace=NAMESPACE))
-        except ValueError:  # gone since the listing
-            continue
+    found, spares = _find(key)
     if not found:
         return None
     previous = max((g for g in found if g < generation), default=None)
@@ -95,9 +87,14 @@ def _adopt(
     extra = unused(reports)
     if extra:
         logger.warning(
-            "ending %d replacement(s) a move of the previous driver had prepared but not begun", len(extra)
+            "ending %d process(es) the previous driver had prepared and not begun: a move's replacements, "
+            "an idle hot spare",
+            len(extra),
         )
-        _end([handles[i] for i in extra], [reports[i] for i in extra], "an unused move replacement")
+        for (
+            i
+        ) in extra:  # their own placement groups (a move's) go with the leftovers: a spare's is the group's
+            kill(handles[i], "an unused replacement or spare")
         handles = [h for i, h in enumerate(handles) if i not in extra]
         reports = [r for i, r in enumerate(reports) if i not in extra]
     why = refusal(reports, key, previous)
@@ -120,6 +117,10 @@ def _adopt(
     nodes = ray.get([a.node.remote() for a in actors], timeout=ANSWER_S)
     infos = [r.info for _, _, r in by_rank if r.info is not None]
     slots = {r.rank: r.slot for _, _, r in by_rank if r.slot is not None}
+    spare = next((r.rank for _, h, r in by_rank if id(h) in spares), None)
+    if spare is not None:
+        bundles = {pg: len(pg.bundle_specs) for pg, _ in slots.values()}
+        slots = spare_slots(slots, spare, bundles)
     pgs = list({pg.id: pg for pg, _ in slots.values()}.values())
     head = by_rank[0][2]
     assert head.dispatched is not None  # refusal() checked it
@@ -138,6 +139,24 @@ def _adopt(
         step=step,
         probe_token=token,
     )
+
+
+def _find(key: str) -> tuple[dict[int, list[Any]], set[int]]:
+    """Run ``key``'s detached actors by lease generation, and the id() of those named as hot spares."""
+    found: dict[int, list[Any]] = {}
+    spares: set[int] = set()
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        parsed = parse_name(entry["name"]) if entry.get("namespace") == NAMESPACE else None
+        if parsed is None or parsed[0] != key:
+            continue
+        try:
+            handle = ray.get_actor(entry["name"], namespace=NAMESPACE)
+        except ValueError:  # gone since the listing
+            continue
+        found.setdefault(parsed[1], []).append(handle)
+        if entry["name"].endswith(f":{SPARE_ROLE}"):
+            spares.add(id(handle))
+    return found, spares
 
 
 def _reports(handles: list[Any]) -> list[RankReport | None]:

@@ -65,6 +65,11 @@ class Lineage:
         return f"{self.run}:g{self.generation}:a{attempt}:pg{n}"
 
 
+SPARE_ROLE = "spare"
+"""The role in a detached hot spare's name (``Lineage.actor_name``): a spare that became a rank runs in the
+bundle it was started in, not in the dead rank's it took over (``cluster.worker_group.salvage``)."""
+
+
 def parse_name(name: str) -> tuple[str, int] | None:
     """(run key, generation) of a detached rank's name; None for another name."""
     parts = name.split(":")

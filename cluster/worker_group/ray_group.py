@@ -31,7 +31,15 @@ from cluster.worker_group.actor import _WorkerActor, check_same_code
 from cluster.worker_group.calls import Stamped, get_all, kill, read_later, read_settled, short
 from cluster.worker_group.gang import MoveInProgress
 from cluster.worker_group.placement import Placement, Resources, Slot, bundle_nodes, draining
-from cluster.worker_group.pulse import Lineage, detached_options, generation_of, pulse, run_key, taken_over
+from cluster.worker_group.pulse import (
+    SPARE_ROLE,
+    Lineage,
+    detached_options,
+    generation_of,
+    pulse,
+    run_key,
+    taken_over,
+)
 from cluster.worker_group.spare import HotSpare
 
 logger = logging.getLogger(__name__)
@@ -202,18 +210,29 @@ class RayWorkerGroup:
         """failures.hot_spare: one idle, prepared worker that can take a dead rank's place at once."""
 
         def spawn(slot: Slot) -> Any:
-            return Stamped(
+            # Detached like the ranks when they are (it may become one: a rank that outlives its driver)
+            options: dict[str, Any] = {
+                "max_concurrency": 2,
+                "name": f"cluster:{self.cfg.name}:spare:attempt{self.attempt}",
+            }
+            lineage = None
+            if self.lineage is not None:
+                lineage = dataclasses.replace(self.lineage, bundle=slot[1])
+                options = detached_options(self.lineage, self.attempt, SPARE_ROLE)
+            actor = Stamped(
                 cls.options(  # no CPU of its own: it idles until it inherits a dead rank's bundle
                     num_cpus=0,
-                    max_concurrency=2,
                     max_restarts=0,
-                    name=f"cluster:{self.cfg.name}:spare:attempt{self.attempt}",
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=slot[0], placement_group_bundle_index=slot[1]
                     ),
-                ).remote(self.cfg, 0, self.world_size, self.run_url, self.attempt, self.task_cls),
+                    **options,
+                ).remote(self.cfg, 0, self.world_size, self.run_url, self.attempt, self.task_cls, lineage),
                 self.generation,
             )
+            if lineage is not None:
+                pulse(self.cfg).add(actor)
+            return actor
 
         self.spare_note = self.spare.start(self.cfg, self.placement.slots, self.nodes, spawn)
 

@@ -11,7 +11,7 @@ import pytest
 
 from cluster.core.errors import ConfigError
 from cluster.rank.watchdog import DriverWatch, OrphanedError, StaleDriverError, pulse_every
-from cluster.seam.adoption import RankReport, refusal, unused
+from cluster.seam.adoption import RankReport, refusal, spare_slots, unused
 from cluster.seam.protocol import ResumePoint, SetupInfo
 from cluster.spec.load import from_dict
 from cluster.worker_group.pulse import Lineage, stale_placement_groups
@@ -141,3 +141,16 @@ def test_a_move_s_unbegun_replacements_are_set_aside_and_the_group_is_still_adop
     # a rank whose only process was never set up is no replacement: the group is refused
     lone = [_report(0), _report(1, info=None, dispatched=None)]
     assert unused(lone) == [] and "never set up" in str(refusal(lone, "k", 1))
+
+
+def test_a_hot_spare_that_became_a_rank_is_counted_in_the_dead_rank_s_bundle() -> None:
+    """The spare runs in a live rank's bundle (no CPU of its own); its driver counted it in the bundle of
+    the rank it replaced: the adopted group's slots say the same, so no bundle is held twice."""
+    slots = {0: ("pg", 0), 1: ("pg", 1), 2: ("pg", 1), 3: ("pg", 3)}  # the spare (now rank 2) runs in 1
+    assert spare_slots(slots, 2, {"pg": 4}) == {0: ("pg", 0), 1: ("pg", 1), 2: ("pg", 2), 3: ("pg", 3)}
+    assert spare_slots(slots, None, {"pg": 4}) == slots  # no spare among them: as they are
+    whole = {0: ("pg", 0), 1: ("pg", 1)}
+    assert spare_slots(whole, 1, {"pg": 2}) == whole  # its own bundle already: as it is
+    # an unpromoted spare (rank 0's placeholder, never set up) beside the group is set aside
+    idle_spare = _report(0, info=None, dispatched=None)
+    assert unused([_report(0), _report(1), idle_spare]) == [2]
