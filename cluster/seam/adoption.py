@@ -6,6 +6,7 @@ asks the ranks, the driver (``cluster.driver.driver``) records the outcome."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,17 +40,18 @@ class RankReport:
     """(placement group, bundle index) it runs in."""
 
 
-def unused(reports: list[RankReport | None]) -> list[int]:
+def unused(reports: list[RankReport | None], spares: Collection[int] = ()) -> list[int]:
     """The indices of ``reports`` that are processes the previous driver had prepared and not begun: the
     replacements of a drain notice's move still in progress when it died, an idle hot spare (it reports its
     placeholder rank 0). Each was never set up nor given an epoch, and its rank number is held by a rank of
-    the group that was. They are no part of the group: the next driver ends them (and makes its own spare
-    and move, seeing the same drain notice)."""
+    the group that was, or it is one of ``spares`` (the indices of the processes named as hot spares). They
+    are no part of the group: the next driver ends them (and makes its own spare and move, seeing the same
+    drain notice)."""
     held = {r.rank for r in reports if r is not None and r.info is not None}
     return [
         i
         for i, r in enumerate(reports)
-        if r is not None and r.info is None and r.dispatched is None and r.rank in held
+        if r is not None and r.info is None and r.dispatched is None and (r.rank in held or i in spares)
     ]
 
 

@@ -84,19 +84,20 @@ def _adopt(
         return None
     handles = found[previous]
     reports = _reports(handles)
-    extra = unused(reports)
+    extra = unused(reports, [i for i, h in enumerate(handles) if id(h) in spares])
     if extra:
         logger.warning(
             "ending %d process(es) the previous driver had prepared and not begun: a move's replacements, "
             "an idle hot spare",
             len(extra),
         )
-        for (
-            i
-        ) in extra:  # their own placement groups (a move's) go with the leftovers: a spare's is the group's
+        # their own placement groups (a move's) go with the leftovers; a spare's is the group's
+        for i in extra:
             kill(handles[i], "an unused replacement or spare")
         handles = [h for i, h in enumerate(handles) if i not in extra]
         reports = [r for i, r in enumerate(reports) if i not in extra]
+        if not handles:
+            return None  # nothing but those: nothing to adopt
     why = refusal(reports, key, previous)
     if why is not None:
         _end(handles, reports, "ranks that cannot be adopted")

@@ -154,3 +154,6 @@ def test_a_hot_spare_that_became_a_rank_is_counted_in_the_dead_rank_s_bundle() -
     # an unpromoted spare (rank 0's placeholder, never set up) beside the group is set aside
     idle_spare = _report(0, info=None, dispatched=None)
     assert unused([_report(0), _report(1), idle_spare]) == [2]
+    # the ranks all died and only the idle spare is left: it is set aside too (nothing to adopt, no refusal)
+    assert unused([idle_spare], spares=[0]) == [0]
+    assert unused([idle_spare]) == []  # the same report not named as a spare: a rank never set up
