@@ -6,11 +6,13 @@ asks the ranks, the driver (``cluster.driver.driver``) records the outcome."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.seam.protocol import SetupInfo, WorkerGroup
+from cluster.seam.protocol import ResumePoint, SetupInfo, WorkerGroup
+from cluster.spec.schedule import Window, merge_windows
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,9 @@ class RankReport:
     """Its setup's report (None: never set up)."""
     slot: tuple[Any, int] | None = None
     """(placement group, bundle index) it runs in."""
+    skipped_steps: tuple[Window, ...] = ()
+    """Every window of steps it skips (the driver's, a checkpoint's and its own NaN rollbacks'): the next
+    driver takes them over, else a later recovery would drop them."""
 
 
 def unused(reports: list[RankReport | None], spares: Collection[int] = ()) -> list[int]:
@@ -115,7 +120,31 @@ def refusal(reports: list[RankReport | None], run: str, generation: int) -> str 
     digests = {r.digest for r in live}
     if len(digests) != 1 or None in digests:
         return "the replicas' parameters disagree"
+    return _skips_disagree(live)
+
+
+def _skips_disagree(live: list[RankReport]) -> str | None:
+    skips = {tuple(map(tuple, r.skipped_steps)) for r in live}
+    if len(skips) != 1:
+        return f"the ranks disagree on the steps they skip: {sorted(skips)}"
     return None
+
+
+def adopted_infos(reports: list[RankReport]) -> list[SetupInfo]:
+    """The adopted ranks' setup reports (``reports`` by rank, each set up, :func:`refusal` passed), each
+    saying where the group is now, not where it began: the furthest step reached, in the epoch given, and
+    every step window the ranks skip (the next driver's own list starts from them)."""
+    infos = [r.info for r in reports if r.info is not None]
+    head = reports[0]
+    assert head.dispatched is not None  # refusal() checked it
+    epoch = head.dispatched[0]
+    step = max(r.global_step for r in reports)
+    spe = infos[0].steps_per_epoch
+    skips = merge_windows([(a, b) for r in reports for a, b in r.skipped_steps])
+    here = ResumePoint(
+        step, epoch, max(0, step - epoch * spe), None, len(infos), "adopted", skipped_steps=skips
+    )
+    return [dataclasses.replace(i, resume=here) for i in infos]
 
 
 @dataclass

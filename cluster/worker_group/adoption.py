@@ -6,7 +6,6 @@ groups freed; the run resumes from storage as it would have."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
@@ -17,8 +16,7 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from cluster.run.lease import GENERATION_ENV
 from cluster.run.storage import PROBE_ENV, write_probe
-from cluster.seam.adoption import Adoption, RankReport, refusal, spare_slots, unused
-from cluster.seam.protocol import ResumePoint
+from cluster.seam.adoption import Adoption, RankReport, adopted_infos, refusal, spare_slots, unused
 from cluster.spec.config import JobConfig
 from cluster.worker_group.calls import Stamped, kill, short
 from cluster.worker_group.placement import Resources
@@ -116,7 +114,7 @@ def _adopt(
     group = RayWorkerGroup(group_cfg, run_url, 0, task_cls, detached=True)
     actors = [Stamped(h, generation) for _, h, _ in by_rank]
     nodes = ray.get([a.node.remote() for a in actors], timeout=ANSWER_S)
-    infos = [r.info for _, _, r in by_rank if r.info is not None]
+    infos = adopted_infos([r for _, _, r in by_rank])
     slots = {r.rank: r.slot for _, _, r in by_rank if r.slot is not None}
     spare = next((r.rank for _, h, r in by_rank if id(h) in spares), None)
     if spare is not None:
@@ -126,10 +124,7 @@ def _adopt(
     head = by_rank[0][2]
     assert head.dispatched is not None  # refusal() checked it
     epoch, start, dispatch = head.dispatched
-    step = max(r.global_step for _, _, r in by_rank)
-    spe = infos[0].steps_per_epoch
-    here = ResumePoint(step, epoch, max(0, step - epoch * spe), None, len(infos), source="adopted")
-    infos = [dataclasses.replace(i, resume=here) for i in infos]  # where they are, not where they began
+    step = infos[0].resume.global_step
     group.take_over(actors, nodes, infos, Resources(None, slots, pgs), dispatch)
     return Adoption(
         from_generation=previous,

@@ -98,6 +98,7 @@ def report(worker: Worker, lineage: Lineage | None, generation: int, epochs: Epo
         pid=os.getpid(),
         info=s.info if s is not None else None,
         slot=(pg, lineage.bundle) if pg is not None and lineage is not None else None,
+        skipped_steps=tuple(worker.pos.skips),
     )
 
 

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
-from cluster.core.errors import ConfigError
+from cluster.core.errors import ConfigError, Failure
 from cluster.rank.watchdog import DriverWatch, OrphanedError, StaleDriverError, pulse_every
-from cluster.seam.adoption import RankReport, refusal, spare_slots, unused
+from cluster.seam.adoption import Adoption, RankReport, adopted_infos, refusal, spare_slots, unused
 from cluster.seam.protocol import ResumePoint, SetupInfo
 from cluster.spec.load import from_dict
+from cluster.worker_group.orphan import report
 from cluster.worker_group.pulse import Lineage, stale_placement_groups
+from tests.support.fakes import ScriptedGroup, make
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -157,3 +160,47 @@ def test_a_hot_spare_that_became_a_rank_is_counted_in_the_dead_rank_s_bundle() -
     # the ranks all died and only the idle spare is left: it is set aside too (nothing to adopt, no refusal)
     assert unused([idle_spare], spares=[0]) == [0]
     assert unused([idle_spare]) == []  # the same report not named as a spare: a rank never set up
+
+
+def test_the_steps_the_adopted_ranks_skip_are_the_next_driver_s_and_must_agree() -> None:
+    """A NaN rollback's skip window lives in the ranks (and in the driver that saw it): the driver that adopts
+    them takes the windows over. Without them its next recovery's set-up would drop the window on every
+    rank: their state would no longer match what they reported (the peer copy refused, the run back to its
+    checkpoint: chaos 2026-12-07, 220 steps), and a later restore would train the skipped batches."""
+    skipped = ((12, 14), (20, 20))
+    reports = [_report(0, skipped_steps=skipped, global_step=31), _report(1, skipped_steps=skipped)]
+    assert refusal(reports, "k", 1) is not None  # different steps; once idle they stand together:
+    reports = [_report(0, skipped_steps=skipped), _report(1, skipped_steps=skipped)]
+    assert refusal(reports, "k", 1) is None
+    infos = adopted_infos(reports)
+    assert [i.rank for i in infos] == [0, 1] and [i.pid for i in infos] == [100, 101]
+    here = infos[0].resume
+    assert (here.global_step, here.epoch, here.step_in_epoch, here.source) == (30, 1, 20, "adopted")
+    assert here.skipped_steps == [(12, 14), (20, 20)]
+    assert all(i.resume == here for i in infos)
+    odd = [_report(0, skipped_steps=skipped), _report(1, skipped_steps=skipped[:1])]
+    assert "skip" in str(refusal(odd, "k", 1))
+
+
+def test_a_rank_reports_every_window_it_skips() -> None:
+    """What the next driver reads (``orphan.report``): the rank's own windows, a NaN rollback's included."""
+    worker = SimpleNamespace(
+        session=None, world_size=2, rank=1, pos=SimpleNamespace(skips=[(5, 6)], global_step=9, epoch=0)
+    )
+    epochs = SimpleNamespace(in_epoch=False, dispatched=(0, 0, 1), error=None)
+    got = report(worker, Lineage("k", 3), 3, epochs)  # type: ignore[arg-type]
+    assert got.skipped_steps == ((5, 6),) and got.global_step == 9 and got.generation == 3
+
+
+def test_a_driver_that_adopted_ranks_hands_their_skip_windows_to_its_next_group() -> None:
+    died = Failure("worker_died", 1, "worker_died: rank 1's process died")
+    driver, _ = make({})
+    adopted = ScriptedGroup(driver.cfg, driver.run_url, 0, {0: [died]}, [2], {})
+    here = ResumePoint(5, 1, 1, None, 2, "adopted", skipped_steps=[(2, 3)])
+    infos = [replace(i, resume=here) for i in adopted.start(2)]
+    adopted.run_epoch(1, 1)
+    driver.adoption = Adoption(from_generation=1, group=adopted, infos=infos, epoch=1, start_step=1, step=5)
+    result = driver.run()
+    assert result.status == "finished" and ScriptedGroup.instances[-1] is not adopted
+    assert ScriptedGroup.instances[-1].skips == [(2, 3)]  # the recovery's group skips what the ranks skipped
+    assert result.skipped_steps == [(2, 3)]
