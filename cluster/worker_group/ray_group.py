@@ -422,6 +422,7 @@ class RayWorkerGroup:
         self.pending = [a.collect.remote() for a in self.actors]
         for actor in self.actors:
             pulse(self.cfg).add(actor)
+        self._start_spare(ray.remote(_WorkerActor))  # the previous driver's idle spare was set aside
 
     def shutdown(self, graceful: bool) -> None:
         """Graceful: destroy process groups and stop actors. Otherwise kill at once (a survivor may be

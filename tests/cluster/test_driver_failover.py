@@ -129,14 +129,15 @@ def test_a_killed_driver_s_ranks_are_adopted_by_the_next_submission(
     (no step recomputed, no group started anew) and the final weights equal a fault-free run's, bit for
     bit. The goodput ledger charges the gap to ``driver_down`` and keeps the steps the ranks trained in it;
     ``show`` says where they were adopted."""
-    first = submit(head, *job(storage_dir, "adopted"), options=("--no-wait",), timeout=120)
+    spare = "failures.hot_spare=true"  # a spare beside them: set aside by the adoption, and a new one made
+    first = submit(head, *job(storage_dir, "adopted", spare), options=("--no-wait",), timeout=120)
     assert first.returncode == 0, first.stdout[-4000:]
     pid = driver_at(storage_dir, "adopted", 50)
     os.kill(pid, signal.SIGKILL)
     ranks = workers_alive(head)
-    assert len(ranks) == 2, "the ranks died with their driver"
+    assert len(ranks) in (2, 3), "the ranks (and the spare, once its process is up) died with their driver"
 
-    second = submit(head, *job(storage_dir, "adopted"))
+    second = submit(head, *job(storage_dir, "adopted", spare))
     assert second.returncode == 0, second.stdout[-6000:]
     assert "adopted 2 ranks at step" in second.stdout, second.stdout[-6000:]
     ev = events(storage_dir, "adopted")
@@ -144,6 +145,8 @@ def test_a_killed_driver_s_ranks_are_adopted_by_the_next_submission(
     (adopted,) = [e for e in ev if e["event"] == "adopted"]
     assert sorted(adopted["pids"]) == sorted(starts[0]["pids"])  # the same processes
     assert [e["resume_source"] for e in starts] == ["fresh", "adopted"]  # nothing started anew
+    assert [e["hot_spare"] for e in starts] == ["preparing", "preparing"]  # the adopted group has its own
+    assert any(e["event"] == "spare_ready" and e["time"] > adopted["time"] for e in ev), ev[-20:]
     assert [e for e in ev if e["event"] == "finished"]
     (adopted_start,) = [e for e in starts if e["resume_source"] == "adopted"]
     assert adopted_start["resume_step"] == adopted["step"] > 50  # they trained on with no driver
