@@ -11,6 +11,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 
+import ray
 from ray.util.placement_group import get_current_placement_group, remove_placement_group
 
 from cluster.rank import dist as cdist
@@ -83,7 +84,7 @@ def report(worker: Worker, lineage: Lineage | None, generation: int, epochs: Epo
     if s is not None and idle:
         cdist.bind_thread(s.device)
         params = short(digest([p.detach() for p in s.raw_model.parameters()]).tolist())
-    pg = get_current_placement_group()
+    pg = get_current_placement_group() if ray.is_initialized() else None  # (it would start a Ray)
     return RankReport(
         run=lineage.run if lineage is not None else "",
         generation=generation,

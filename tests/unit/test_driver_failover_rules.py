@@ -9,6 +9,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
+import ray
 
 from cluster.core.errors import ConfigError, Failure
 from cluster.rank.watchdog import DriverWatch, OrphanedError, StaleDriverError, pulse_every
@@ -190,6 +191,7 @@ def test_a_rank_reports_every_window_it_skips() -> None:
     epochs = SimpleNamespace(in_epoch=False, dispatched=(0, 0, 1), error=None)
     got = report(worker, Lineage("k", 3), 3, epochs)  # type: ignore[arg-type]
     assert got.skipped_steps == ((5, 6),) and got.global_step == 9 and got.generation == 3
+    assert not ray.is_initialized()  # the report started no Ray in this process
 
 
 def test_a_driver_that_adopted_ranks_hands_their_skip_windows_to_its_next_group() -> None:
