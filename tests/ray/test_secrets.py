@@ -30,7 +30,7 @@ import pytest
 
 from cluster import load_config, submit
 from cluster.api.export import export_checkpoint
-from tests.cluster.rayproc import EXCLUDES, REPO, Head
+from tests.cluster.rayproc import EXCLUDES, REPO, Head, owned_pids
 from tests.ray.test_tracking import MlflowServer
 from tests.support.fakes import Hook
 
@@ -116,9 +116,10 @@ def head() -> Iterator[Head]:
             shutil.rmtree(home, ignore_errors=True)
 
 
-def listeners_of_ranks() -> dict[int, set[str]]:
-    """Per rank process (titled ``ray::_WorkerActor``): the local addresses it listens on (hex, as the
-    kernel's /proc/net/tcp* write them)."""
+def listeners_of_ranks(h: Head) -> dict[int, set[str]]:
+    """Per rank process of ``h`` (titled ``ray::_WorkerActor``; not another test's, beside this one under
+    pytest-xdist): the local addresses it listens on (hex, as the kernel's /proc/net/tcp* write them)."""
+    mine = set(owned_pids([h.temp_dir]))
     tables: dict[int, str] = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as fh:
@@ -128,6 +129,8 @@ def listeners_of_ranks() -> dict[int, set[str]]:
                     tables[int(parts[9])] = parts[1]
     out: dict[int, set[str]] = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) not in mine:
+            continue
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as fh:
                 if b"_WorkerActor" not in fh.read():
@@ -201,7 +204,7 @@ def test_no_secret_value_is_written_anywhere(head: Head, tmp_path: pathlib.Path)
             assert time.monotonic() < deadline, job.logs()[-3000:]
             seen_entrypoints += [j.entrypoint for j in client.list_jobs()]
             seen_commands.append(command_lines())
-            for pid, found in listeners_of_ranks().items():
+            for pid, found in listeners_of_ranks(head).items():
                 listeners.setdefault(pid, set()).update(found)
             time.sleep(0.2)
         console = job.logs()
