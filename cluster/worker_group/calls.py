@@ -12,24 +12,43 @@ import ray
 logger = logging.getLogger(__name__)
 
 
-_unread: list[Any] = []
-"""Calls of ranks whose answers the driver no longer waits for (another rank failed first): kept until they
-settle and are read (:func:`read_settled`). Ray reports an error that was never read as an "Unhandled error"
-traceback once its reference is freed, although the driver has handled the failure already."""
+_unread: list[tuple[str | None, Any]] = []
+"""Calls of ranks whose answers the driver no longer waits for (another rank failed first), with the Ray job
+that made them: kept until they settle and are read (:func:`read_settled`). Ray reports an error that was
+never read as an "Unhandled error" traceback once its reference is freed, although the driver has handled
+the failure already."""
+
+
+def _job() -> str | None:
+    """The Ray session this process is connected to (its node and job: a new embedded Ray numbers its jobs
+    from 1 again), or None without Ray: a ref belongs to one."""
+    if not ray.is_initialized():
+        return None
+    ctx = ray.get_runtime_context()
+    return f"{ctx.get_node_id()}:{ctx.get_job_id()}"
 
 
 def read_later(refs: list[Any]) -> None:
     """Keep ``refs`` until they settle; their errors are read (and dropped) by :func:`read_settled`."""
-    _unread.extend(refs)
+    job = _job()
+    _unread.extend((job, ref) for ref in refs)
     read_settled()
 
 
 def read_settled(wait_s: float = 0.0) -> int:
-    """Read the answers of :func:`read_later` that have settled within ``wait_s``; the number still open."""
-    if not _unread:
+    """Read the answers of :func:`read_later` that have settled within ``wait_s``; the number still open.
+    Those of an earlier Ray session (a second ``cluster.train`` in the same process, after the first one's
+    embedded Ray stopped) are dropped: Ray can no longer wait on them, nor report them."""
+    job = _job()
+    old = sum(1 for j, _ in _unread if j != job)
+    if old:
+        logger.debug("dropping %d unread answers of an earlier Ray session", old)
+    mine = [ref for j, ref in _unread if j == job and job is not None]
+    _unread[:] = []
+    if not mine:
         return 0
-    ready, rest = ray.wait(list(_unread), num_returns=len(_unread), timeout=wait_s)
-    _unread[:] = rest
+    ready, rest = ray.wait(mine, num_returns=len(mine), timeout=wait_s)
+    _unread.extend((job, ref) for ref in rest)
     for ref in ready:
         try:
             ray.get(ref, timeout=0)
