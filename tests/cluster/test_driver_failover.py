@@ -65,11 +65,11 @@ def storage_dir() -> Iterator[str]:
 
 
 def job(storage: str, name: str, *extra: str) -> list[str]:
-    """Two epochs long enough (about 390 steps each) to kill the driver in the middle of one."""
+    """Two epochs long enough (about 195 steps each) to kill the driver in the middle of one."""
     return small(
         storage,
         name,
-        "task_args.max_chars=400000",
+        "task_args.max_chars=200000",
         "training.epochs=2",
         "checkpoint.every_steps=50",
         f"failures.orphan_timeout_s={ORPHAN_S}",
