@@ -106,6 +106,14 @@ class MotoS3:
         """fsspec storage_options for s3fs (no region: moto refuses a location constraint on mkdir)."""
         return {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": self.endpoint}}
 
+    @property
+    def direct_options(self) -> dict[str, Any]:
+        """Options that reach moto_server itself, past the relay: for a test that never cuts the line
+        (``pause``, ``stop``). The relay's threads share this process's GIL with s3fs's event loop, which
+        makes every request slower (benchmarks/LOG.md, 2026-12-07)."""
+        endpoint = f"http://127.0.0.1:{self.inner_port}"
+        return {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint}}
+
     def url(self, path: str = "") -> str:
         return f"s3://{self.bucket}/{path}".rstrip("/")
 
