@@ -34,6 +34,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _s3fs_options(endpoint: str) -> dict[str, Any]:
+    return {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint}}
+
+
 class Relay:
     """TCP relay 127.0.0.1:port -> 127.0.0.1:target. ``close`` refuses new connections and cuts open ones."""
 
@@ -104,15 +108,14 @@ class MotoS3:
     @property
     def options(self) -> dict[str, Any]:
         """fsspec storage_options for s3fs (no region: moto refuses a location constraint on mkdir)."""
-        return {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": self.endpoint}}
+        return _s3fs_options(self.endpoint)
 
     @property
     def direct_options(self) -> dict[str, Any]:
         """Options that reach moto_server itself, past the relay: for a test that never cuts the line
         (``pause``, ``stop``). The relay's threads share this process's GIL with s3fs's event loop, which
         makes every request slower (benchmarks/LOG.md, 2026-12-07)."""
-        endpoint = f"http://127.0.0.1:{self.inner_port}"
-        return {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint}}
+        return _s3fs_options(f"http://127.0.0.1:{self.inner_port}")
 
     def url(self, path: str = "") -> str:
         return f"s3://{self.bucket}/{path}".rstrip("/")
