@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from cluster.run.logs import read_parquet_bytes
 from cluster.run.storage import Storage
 
 MAX_FILES = 16
@@ -129,9 +129,7 @@ def read_past_groups(
     for seq, name in newest_files(storage.listdir(folder), limit):
         submission = bisect.bisect_left(starts, seq)  # run_starts among the first ``seq`` events
         try:
-            table = pq.read_table(
-                pa.BufferReader(storage.read_bytes(f"{folder}/{name}")), columns=list(COLUMNS)
-            )
+            table = read_parquet_bytes(storage.read_bytes(f"{folder}/{name}"), list(COLUMNS))
         except (pa.ArrowException, OSError, KeyError, ValueError):
             continue
         for row in table.to_pylist():

@@ -242,13 +242,25 @@ def _column(values: list[Any], typ: pa.DataType) -> pa.Array:
     return pa.Array.from_buffers(typ, n, [bitmap, pa.py_buffer(array.array(code, (v or 0 for v in values)))])
 
 
+def read_parquet_bytes(data: bytes, columns: list[str] | None = None) -> pa.Table:
+    """One Parquet file's bytes as a table, decoded on this thread. ``pq.read_table`` starts Arrow's thread
+    pools, whose threads can still be alive at interpreter exit and abort a CLI command that already printed
+    its output ("terminate called without an active exception", apache/arrow#34314). A missing column
+    raises ``KeyError``, as ``read_table`` refuses such a file."""
+    table = pq.ParquetFile(pa.BufferReader(data)).read(columns=columns, use_threads=False)
+    missing = [c for c in columns or () if c not in table.column_names]
+    if missing:
+        raise KeyError(f"no column {missing[0]!r}")
+    return table
+
+
 def read_metric_parts(storage: Storage, folder: str = "metrics") -> list[tuple[int | None, pa.Table]]:
     """Each metrics file as ``(seq, table)`` (``seq``: see :func:`write_metrics`; None for files written by
     earlier versions). A torn or unreadable file is left out with a warning: the rest of the run reads."""
     parts: list[tuple[int | None, pa.Table]] = []
     for name in sorted(f for f in storage.listdir(folder) if f.endswith(".parquet")):
         try:
-            table = pq.read_table(pa.BufferReader(storage.read_bytes(f"{folder}/{name}")))
+            table = read_parquet_bytes(storage.read_bytes(f"{folder}/{name}"))
         except (pa.ArrowException, OSError) as exc:
             logger.warning(
                 "skipping %s: it does not read as Parquet (%s)", storage.url(f"{folder}/{name}"), exc
