@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
@@ -25,7 +24,7 @@ from cluster.run.checkpoint import CheckpointStore
 from cluster.run.storage import Storage
 from cluster.spec.config import JobConfig
 from cluster.spec.task import build_task
-from tests.multiprocess.mp_helpers import run_workers, tiny_config
+from tests.multiprocess.mp_helpers import mp_context, process, run_workers, tiny_config
 from tests.support.tasks import MapStyleTask
 
 pytestmark = pytest.mark.timeout(240)
@@ -99,8 +98,8 @@ def _run_bare(world: int, cfg: JobConfig, out: Path) -> list[dict[str, torch.Ten
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_bare_ddp, args=(r, world, cfg, port, str(out))) for r in range(world)]
+    ctx = mp_context()
+    procs = [process(ctx, _bare_ddp, (r, world, cfg, port, str(out))) for r in range(world)]
     for p in procs:
         p.start()
     for r, p in enumerate(procs):

@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from cluster import Task, TensorBatchDataset, load_config
 from cluster.data.pipeline import EvalLoader
 from cluster.rank.evaluate import EvalResult, evaluate
 from cluster.spec.config import JobConfig
+from tests.multiprocess.mp_helpers import mp_context, process
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -99,9 +99,9 @@ def run(world: int, data: str = "plain", loaders: int = 0) -> list[tuple[EvalRes
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
     q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, q, data, loaders)) for r in range(world)]
+    procs = [process(ctx, _rank, (r, world, port, q, data, loaders)) for r in range(world)]
     for p in procs:
         p.start()
     try:

@@ -20,7 +20,7 @@ from cluster.run.checkpoint import MANIFEST, CheckpointStore, step_dir
 from cluster.run.storage import Storage
 from cluster.spec.config import JobConfig
 from cluster.spec.task import Task
-from tests.multiprocess.mp_helpers import run_workers, tiny_config
+from tests.multiprocess.mp_helpers import mp_context, process, run_workers, tiny_config
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -227,11 +227,9 @@ def tiny_dataset() -> Any:
 def test_loader_processes_end_when_their_rank_is_killed(tmp_path: Path) -> None:
     import time
 
-    import torch.multiprocessing as mp
-
     from cluster.data.pipeline import _alive
 
-    proc = mp.get_context("spawn").Process(target=_loaders_then_die, args=(None, str(tmp_path)))
+    proc = process(mp_context(), _loaders_then_die, (None, str(tmp_path)))
     proc.start()
     proc.join(30)
     assert proc.exitcode == -9

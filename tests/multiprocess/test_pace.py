@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cluster.rank.pace import StepPace
+from tests.multiprocess.mp_helpers import mp_context, process
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -64,9 +64,9 @@ def test_the_slow_rank_s_own_part_is_longer_and_the_other_s_excludes_its_wait(bu
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
     q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, buffers, q)) for r in range(2)]
+    procs = [process(ctx, _rank, (r, port, buffers, q)) for r in range(2)]
     for p in procs:
         p.start()
     try:

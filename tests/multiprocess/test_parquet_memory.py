@@ -15,13 +15,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch.multiprocessing as mp
 from torch import nn
 
 from cluster.rank.worker import Worker
 from cluster.spec.config import JobConfig
 from jobs.tasks.tabular import TabularTask
-from tests.multiprocess.mp_helpers import tiny_config
+from tests.multiprocess.mp_helpers import mp_context, process, tiny_config
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -110,7 +109,7 @@ def test_an_epoch_over_five_budgets_of_data_stays_within_the_budget(tmp_path: Pa
             "checkpoint.every_epochs=0",
         ],
     )
-    proc = mp.get_context("spawn").Process(target=_entry, args=(cfg, f"{tmp_path}/s/run", str(tmp_path)))
+    proc = process(mp_context(), _entry, (cfg, f"{tmp_path}/s/run", str(tmp_path)))
     proc.start()
     proc.join(240)
     if proc.is_alive():

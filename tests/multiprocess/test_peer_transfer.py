@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.multiprocess.mp_helpers import mp_context, process
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -63,8 +64,8 @@ def test_every_rank_receives_the_sources_state_bit_for_bit(tmp_path: object, buc
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(r, port, str(tmp_path), bucket)) for r in range(WORLD)]
+    ctx = mp_context()
+    procs = [process(ctx, _entry, (r, port, str(tmp_path), bucket)) for r in range(WORLD)]
     for p in procs:
         p.start()
     try:

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 from cluster.core.errors import WorkerError
@@ -20,7 +19,7 @@ from cluster.run.checkpoint import CheckpointStore
 from cluster.run.storage import Storage
 from cluster.seam.peers import plan_recovery
 from cluster.spec.config import JobConfig
-from tests.multiprocess.mp_helpers import run_workers, tiny_config
+from tests.multiprocess.mp_helpers import mp_context, process, run_workers, tiny_config
 from tests.support.tasks import MapStyleTask
 
 pytestmark = pytest.mark.timeout(300)
@@ -124,13 +123,10 @@ def _release_entry(rank: int, cfg: JobConfig, run_url: str, port_q: Any, out: st
 def test_a_survivor_with_a_sharded_optimizer_reports_it_cannot_send_its_state(tmp_path: Path) -> None:
     """The survivor leaves the failed group without a collective (no consolidation) and says why its state
     cannot be sent: the driver then takes the checkpoint path (``plan_recovery``, tests/unit/test_peer.py)."""
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
     q = ctx.Queue()
     cfg = _config(f"{tmp_path}/s", 2, True)
-    procs = [
-        ctx.Process(target=_release_entry, args=(r, cfg, f"{tmp_path}/s/run", q, str(tmp_path)))
-        for r in (0, 1)
-    ]
+    procs = [process(ctx, _release_entry, (r, cfg, f"{tmp_path}/s/run", q, str(tmp_path))) for r in (0, 1)]
     for p in procs:
         p.start()
     for p in procs:
