@@ -163,4 +163,5 @@ def tiny_overrides(tmp_path: object) -> list[str]:
         "training.global_batch_size=32",
         "training.log_every_steps=1",
         "failures.hang_timeout_floor_s=60",
+        "failures.hot_spare=false",  # no rank dies in these jobs (tests/support/faults.py: NO_SPARE)
     ]

@@ -64,6 +64,7 @@ def small(storage: str, name: str, *extra: str) -> list[str]:
         "training.global_batch_size=32",
         "training.log_every_steps=1",
         "failures.hang_timeout_floor_s=60",
+        "failures.hot_spare=false",
         "training.epochs=1",
         "checkpoint.every_steps=10",
         *extra,

@@ -51,6 +51,7 @@ def config(storage: str, name: str, *extra: str) -> JobConfig:
             "training.log_every_steps=1",
             "checkpoint.every_epochs=0",  # the only checkpoints are the stops' and the last
             "failures.hang_timeout_s=20",  # a heartbeat a second
+            "failures.hot_spare=false",  # no rank dies: stops, Ctrl-C, profiles
             *extra,
         ],
     )

@@ -56,7 +56,8 @@ def driver(tmp_path: pathlib.Path, tiny_overrides: list[str]) -> Iterator[Starte
     is done."""
     ray_tmp = tempfile.mkdtemp(prefix="rk", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     mark = new_mark()
-    sets = [a for o in [*tiny_overrides, "name=killed", "training.epochs=500"] for a in ("--set", o)]
+    job = [*tiny_overrides, "name=killed", "training.epochs=500", "failures.hot_spare=auto"]  # its spare too
+    sets = [a for o in job for a in ("--set", o)]
     out = tmp_path / "driver.out"
     with open(out, "w") as fh:
         proc = subprocess.Popen(

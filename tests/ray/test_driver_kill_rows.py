@@ -17,7 +17,7 @@ import pytest
 from cluster.inspect import read_events, run_metrics
 from cluster.run.logs import COMMIT_ROWS, read_metric_parts, read_metrics
 from cluster.run.storage import Storage
-from tests.support.faults import EPOCHS, STEPS, overrides
+from tests.support.faults import EPOCHS, NO_SPARE, STEPS, overrides
 from tests.support.goodput import account
 
 pytestmark = [pytest.mark.timeout(400)]
@@ -27,7 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def job(storage: str, log: str, *extra: str) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "jobs.train", "--config", "jobs/configs/tiny_cpu.yaml"]
-    for s in overrides(storage, "killed", "metrics.flush_s=0", *extra):
+    for s in overrides(storage, "killed", "metrics.flush_s=0", NO_SPARE, *extra):
         cmd += ["--set", s]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "CLUSTER_LEASE_BEAT_S": "1", "PYTHONPATH": REPO}
     out = open(log, "w")

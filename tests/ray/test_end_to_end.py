@@ -24,6 +24,7 @@ def events(run_url: str) -> list[dict]:
 
 def test_tiny_job_trains_checkpoints_and_resumes(ray_local: None, tiny_overrides: list[str]) -> None:
     overrides = [*tiny_overrides, "name=e2e", "training.epochs=2", "checkpoint.every_steps=10"]
+    overrides.append("failures.hot_spare=auto")  # the default, which tiny_overrides turns off
     out = io.StringIO()
     t0 = time.monotonic()
     first = train(load_config("jobs/configs/tiny_cpu.yaml", overrides), out=out)
@@ -106,6 +107,7 @@ def test_auto_hot_spare_stays_off_when_it_would_take_cpu_from_training(
         "training.epochs=1",
         "training.max_steps_per_epoch=2",
         "scaling.cpus_per_worker=2",
+        "failures.hot_spare=auto",  # the default, which tiny_overrides turns off
     ]
     result = train(load_config("jobs/configs/tiny_cpu.yaml", overrides), out=io.StringIO())
     assert result.status == "finished"

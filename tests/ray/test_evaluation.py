@@ -22,7 +22,7 @@ from cluster.run.logs import read_metrics
 from cluster.run.storage import Storage
 from cluster.spec.config import JobConfig
 from cluster.spec.task import build_task
-from tests.support.faults import EPOCHS, STEPS, assert_bitwise_equal, events, final_model, overrides
+from tests.support.faults import EPOCHS, NO_SPARE, STEPS, assert_bitwise_equal, events, final_model, overrides
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -33,7 +33,9 @@ EVAL_STEPS = [10, 15, 20, 30]
 
 
 def config(storage: str, name: str, *extra: str) -> JobConfig:
-    return load_config("jobs/configs/tiny_cpu.yaml", overrides(storage, name, *extra))
+    """The fault tests' job; without a hot spare where no rank dies (``NO_SPARE``)."""
+    spare = [] if any(e.startswith("failures.inject=") for e in extra) else [NO_SPARE]
+    return load_config("jobs/configs/tiny_cpu.yaml", overrides(storage, name, *spare, *extra))
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from cluster.inspect import format_show, report
 from cluster.run.checkpoint import CheckpointStore
 from cluster.run.logs import read_metrics
 from cluster.run.storage import Storage
-from tests.support.faults import EPOCHS, STEPS, assert_bitwise_equal, events, final_model, overrides
+from tests.support.faults import EPOCHS, NO_SPARE, STEPS, assert_bitwise_equal, events, final_model, overrides
 from tests.support.goodput import account
 
 pytestmark = pytest.mark.timeout(180)
@@ -31,7 +31,9 @@ pytestmark = pytest.mark.timeout(180)
 @pytest.fixture(scope="module")
 def reference(ray_local: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     root = tmp_path_factory.mktemp("ref")
-    result = train(load_config("jobs/configs/tiny_cpu.yaml", overrides(str(root), "ref")), out=io.StringIO())
+    result = train(
+        load_config("jobs/configs/tiny_cpu.yaml", overrides(str(root), "ref", NO_SPARE)), out=io.StringIO()
+    )
     assert result.status == "finished" and result.attempts == 1
     return final_model(result.run_url)
 
@@ -150,7 +152,9 @@ def test_killed_worker_recovers_bitwise_equal(reference: dict, tmp_path: object,
 
 def grad_accum_reference(tmp_path: object) -> dict[str, torch.Tensor]:
     storage = f"{tmp_path}/ref-accum"
-    cfg = load_config("jobs/configs/tiny_cpu.yaml", overrides(storage, "ref", "training.grad_accum_steps=2"))
+    cfg = load_config(
+        "jobs/configs/tiny_cpu.yaml", overrides(storage, "ref", "training.grad_accum_steps=2", NO_SPARE)
+    )
     assert train(cfg, out=io.StringIO()).attempts == 1
     return final_model(f"{storage}/ref")
 
@@ -238,7 +242,7 @@ def test_a_slow_rank_is_named_with_its_host_and_cleared_never_on_the_others(
 def test_user_exception_once_is_retried(tmp_path: object, ray_local: None) -> None:
     cfg = load_config(
         "jobs/configs/tiny_cpu.yaml",
-        overrides(f"{tmp_path}/r", "once", "failures.inject=[{rank: 1, step: 7, kind: raise}]"),
+        overrides(f"{tmp_path}/r", "once", "failures.inject=[{rank: 1, step: 7, kind: raise}]", NO_SPARE),
     )
     result = train(cfg, out=io.StringIO())
     assert result.status == "finished" and result.attempts == 2
@@ -256,6 +260,7 @@ def test_same_exception_same_step_twice_fails_fast(tmp_path: object, ray_local: 
             "bug",
             "failures.inject=[{rank: 0, step: 7, kind: raise, attempt: -1}]",
             "failures.max_failures=10",
+            NO_SPARE,
         ),
     )
     with pytest.raises(TrainingFailedError) as info:
@@ -399,7 +404,7 @@ def test_eight_ranks_one_killed_the_other_seven_keep_their_processes(
         "training.epochs=1",
         "training.max_steps_per_epoch=12",
         "task_args.step_sleep_s=0",
-        "failures.hot_spare=false",
+        NO_SPARE,
     ]
     storage = f"{tmp_path}/runs"
     ref = train(
@@ -443,6 +448,7 @@ def test_a_diverged_run_stops_at_once_naming_the_step_and_keeps_its_good_checkpo
             "checkpoint.every_steps=1",
             "checkpoint.keep_last=2",
             "failures.inject=[{rank: 1, step: 12, kind: nan}]",
+            NO_SPARE,
         ),
     )
     with pytest.raises(TrainingFailedError) as err:

@@ -20,7 +20,7 @@ import pytest
 from cluster.run.checkpoint import step_dir
 from cluster.run.lease import generations, read_holder
 from cluster.run.storage import Storage
-from tests.support.faults import EPOCHS, STEPS, assert_bitwise_equal, final_model, overrides
+from tests.support.faults import EPOCHS, NO_SPARE, STEPS, assert_bitwise_equal, final_model, overrides
 from tests.support.storage import MotoS3
 
 pytestmark = [pytest.mark.timeout(600)]
@@ -31,7 +31,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def job(
     storage: str, name: str, options: dict[str, Any] | None, *extra: str, log: str
 ) -> subprocess.Popen[str]:
-    sets = overrides(storage, name, "task_args.step_sleep_s=0.1", *extra)
+    sets = overrides(storage, name, "task_args.step_sleep_s=0.1", NO_SPARE, *extra)
     if options is not None:
         sets.append(f"storage.options={json.dumps(options)}")
     cmd = [sys.executable, "-m", "jobs.train", "--config", "jobs/configs/tiny_cpu.yaml"]

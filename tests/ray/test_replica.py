@@ -13,7 +13,7 @@ import torch
 from cluster import load_config, train
 from cluster.run.checkpoint import CheckpointStore
 from cluster.run.storage import Storage
-from tests.support.faults import EPOCHS, STEPS, assert_bitwise_equal, events, overrides
+from tests.support.faults import EPOCHS, NO_SPARE, STEPS, assert_bitwise_equal, events, overrides
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -28,6 +28,7 @@ def job(storage: str, name: str, world: int, *extra: str) -> list[str]:
         "scaling.cpus_per_worker=0.5",
         "task_args.step_sleep_s=0",
         f"failures.replica_check_steps={EVERY}",
+        NO_SPARE,  # no rank dies: a flipped bit rolls back in place
         *extra,
     )
 

@@ -43,6 +43,7 @@ def job(storage: str, name: str, audit_dir: str, *extra: str) -> list[str]:
         "checkpoint.every_steps=2",
         "checkpoint.keep_last=3",
         "failures.backoff_s=0.1",
+        "failures.hot_spare=false",  # no rank dies: a NaN rolls back in place
         *extra,
     ]
 

@@ -11,6 +11,11 @@ from cluster.run.storage import Storage
 
 EPOCHS, STEPS = 2, 15  # 30 steps; checkpoints every 5 steps and at each epoch end
 
+NO_SPARE = "failures.hot_spare=false"
+"""For a job in which no rank's process dies (a reference run, a raise, a NaN, a driver's stop or kill):
+``auto`` keeps a spare on the test Ray's 4 CPUs, a process that starts, imports torch and builds the model
+for nothing (~5 s of CPU a job, tests/README.md). Tests of the spare and of the defaults keep ``auto``."""
+
 
 def overrides(storage: str, name: str, *extra: str) -> list[str]:
     return [
