@@ -73,6 +73,7 @@ def job(storage: str, name: str, *extra: str) -> list[str]:
         "training.epochs=2",
         "checkpoint.every_steps=50",
         f"failures.orphan_timeout_s={ORPHAN_S}",
+        "failures.hot_spare=auto",  # the default (small() turns it off): adopted with the ranks
         *extra,
     )
 

@@ -102,7 +102,10 @@ def test_a_node_with_4_of_8_ranks_lost_is_one_incident_recovered_from_peers_exac
     tmp = str(tmp_path)
     os.makedirs(f"{tmp}/audit")
     eight = ["scaling.num_workers=8", "scaling.cpus_per_worker=0.5", "scaling.placement_strategy=PACK"]
-    ref = train(load_config("jobs/configs/tiny_cpu.yaml", [*job(tmp, "ref"), *eight]), out=io.StringIO())
+    ref = train(
+        load_config("jobs/configs/tiny_cpu.yaml", [*job(tmp, "ref"), *eight, "failures.hot_spare=false"]),
+        out=io.StringIO(),
+    )
     assert ref.status == "finished"
     for name in os.listdir(f"{tmp}/audit"):
         os.remove(f"{tmp}/audit/{name}")

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from cluster import load_config, train
-from tests.support.faults import assert_bitwise_equal, events, final_model, overrides
+from tests.support.faults import NO_SPARE, assert_bitwise_equal, events, final_model, overrides
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -33,7 +33,9 @@ HANG = [
 @pytest.fixture(scope="module")
 def reference(ray_local: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     root = tmp_path_factory.mktemp("ref4")
-    cfg = load_config("jobs/configs/tiny_cpu.yaml", overrides(str(root), "ref", "scaling.num_workers=4"))
+    cfg = load_config(
+        "jobs/configs/tiny_cpu.yaml", overrides(str(root), "ref", "scaling.num_workers=4", NO_SPARE)
+    )
     result = train(cfg, out=io.StringIO())
     assert result.status == "finished" and result.attempts == 1
     return final_model(result.run_url)

@@ -24,7 +24,7 @@ import torch
 from cluster import load_config, train
 from cluster.run.checkpoint import CheckpointStore
 from cluster.run.storage import Storage
-from tests.support.faults import assert_bitwise_equal, events, overrides
+from tests.support.faults import NO_SPARE, assert_bitwise_equal, events, overrides
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -53,7 +53,9 @@ def final(run_url: str, steps: int = EPOCHS * STEPS) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def reference(ray_local: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     root = tmp_path_factory.mktemp("ref")
-    result = train(load_config("jobs/configs/tiny_cpu.yaml", job(str(root), "ref")), out=io.StringIO())
+    result = train(
+        load_config("jobs/configs/tiny_cpu.yaml", job(str(root), "ref", NO_SPARE)), out=io.StringIO()
+    )
     assert result.status == "finished" and result.attempts == 1
     return final(result.run_url)
 
@@ -138,7 +140,8 @@ def test_random_ranks_killed_ten_times_at_four_ranks_on_one_node_finish_bitwise(
         "training.max_steps_per_epoch=5",
     )
     ref = train(
-        load_config("jobs/configs/tiny_cpu.yaml", job(f"{tmp_path}/ref", "ref4", *four)), out=io.StringIO()
+        load_config("jobs/configs/tiny_cpu.yaml", job(f"{tmp_path}/ref", "ref4", *four, NO_SPARE)),
+        out=io.StringIO(),
     )
     assert ref.status == "finished"
     rng = random.Random(7)
