@@ -13,12 +13,14 @@ fault and after the recovery that redoes the operation on healthy storage:
 
 from __future__ import annotations
 
+import shutil
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
 from cluster.core.errors import CheckpointError, StorageError
 from cluster.run.checkpoint import (
@@ -47,6 +49,20 @@ class Backend:
 
     def storage(self, root: str, faults: Faults | None = None) -> Storage:
         return self.make(root, faults)
+
+    def clone(self, root: str) -> str:
+        """A new root holding a byte-for-byte copy of every file under ``root`` (a local folder: the whole
+        tree; an object store: each object, copied on the server)."""
+        new = self.new_root()
+        fs, src = self.storage(root).open_fs_path("")
+        _, dst = self.storage(new).open_fs_path("")
+        src, dst = src.rstrip("/"), dst.rstrip("/")
+        if isinstance(fs, LocalFileSystem):
+            shutil.copytree(src, dst)
+        else:
+            for path in fs.find(src):
+                fs.copy(path, dst + path[len(src) :])
+        return new
 
 
 def local_backend(tmp: str) -> Backend:
@@ -172,11 +188,18 @@ def bytes_kept(storage: Storage, step: int, original: bytes) -> bool:
 def walk(backend: Backend, scenario: Scenario) -> list[str]:
     """Run ``scenario`` once without faults (its injection points and end state, checked too), then once
     per injection point and mode (fail once / crash), checking the invariants after the fault and after
-    the recovery. Returns the points walked, for the test's report."""
-    root = backend.new_root()
+    the recovery. Returns the points walked, for the test's report.
+
+    The run ``scenario.setup`` builds is built once, as a template; each walk starts on a copy of it (the
+    same bytes, so what verified before and the bytes kept aside are the template's)."""
+    template = backend.new_root()
+    scenario.setup(CheckpointStore(backend.storage(template)))
+    before, originals = (
+        verified_steps(backend.storage(template)),
+        _originals(backend.storage(template), scenario),
+    )
+    root = backend.clone(template)
     healthy = backend.storage(root)
-    scenario.setup(CheckpointStore(healthy))
-    before, originals = verified_steps(healthy), _originals(healthy, scenario)
     counter = Faults()
     scenario.op(CheckpointStore(backend.storage(root, counter)))
     expected = [i.step for i in CheckpointStore(healthy).list()]
@@ -188,7 +211,7 @@ def walk(backend: Backend, scenario: Scenario) -> list[str]:
     for at in points:
         for crash in (False, True):
             label = f"{scenario.name} {at[0]} #{at[1]} {'crash' if crash else 'fail'}"
-            _one(backend, scenario, at, crash, expected, kept_free, label)
+            _one(backend, scenario, template, at, crash, (before, originals), expected, kept_free, label)
             walked.append(label)
     return walked
 
@@ -200,16 +223,17 @@ def _originals(storage: Storage, scenario: Scenario) -> dict[int, bytes]:
 def _one(
     backend: Backend,
     scenario: Scenario,
+    template: str,
     at: tuple[str, int],
     crash: bool,
+    built: tuple[set[int], dict[int, bytes]],
     expected: list[int],
     kept_free: set[int],
     label: str,
 ) -> None:
-    root = backend.new_root()
+    root = backend.clone(template)
     healthy = backend.storage(root)
-    scenario.setup(CheckpointStore(healthy))
-    before, originals = verified_steps(healthy), _originals(healthy, scenario)
+    before, originals = built
     faults = Faults(at, crash=crash)
     try:
         scenario.op(CheckpointStore(backend.storage(root, faults)))
