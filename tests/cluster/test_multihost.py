@@ -72,7 +72,7 @@ def test_job_across_hosts_survives_a_lost_node() -> None:
             "training.global_batch_size=32",
             "training.log_every_steps=1",
             "failures.hang_timeout_floor_s=60",
-            "training.epochs=8",
+            "training.epochs=2",  # 39 steps an epoch: the raylet dies at the first checkpoint (step 5)
             "checkpoint.every_steps=5",
             f"scaling.socket_ifname={IFNAME}",
             "scaling.resources_per_worker={trainer: 1}",
