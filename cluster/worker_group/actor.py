@@ -20,6 +20,7 @@ from typing import Any
 import ray
 
 from cluster.core.errors import ConfigError
+from cluster.core.imports import gc_paused
 from cluster.rank.dist import listen_on, store_address
 from cluster.rank.process import worker_env
 from cluster.rank.watchdog import DriverWatch
@@ -190,7 +191,8 @@ class _WorkerActor:
 @cache
 def _import_dynamo() -> None:
     try:
-        import torch._dynamo  # noqa: F401
+        with gc_paused():  # a third less CPU (cluster.core.imports)
+            import torch._dynamo  # noqa: F401
     except Exception as exc:  # setup imports it again (and raises there if it must)
         logger.warning("importing torch._dynamo ahead of DDP failed: %s", exc)
 
