@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from cluster.core.imports import gc_paused
 
-# torch's import (through cluster.data) is most of a rank's start: without the collector it takes a third
-# less CPU (cluster.core.imports)
+# torch's import (through cluster.data) is much of a rank's start: it takes less CPU without the collector
+# (cluster.core.imports)
 with gc_paused():
     from cluster.core.errors import (
         CheckpointError,

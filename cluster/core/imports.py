@@ -1,11 +1,11 @@
 """Heavy imports with Python's cyclic garbage collector paused.
 
 Importing torch, and torch._dynamo after it (DistributedDataParallel's constructor reads
-``torch._dynamo.utils``), creates about half a million objects and almost no garbage. On Python 3.11 the
-collector still runs again and again while they are made, each full pass over everything made so far: about
-a third of the CPU of the import, which every rank pays at its start and every replacement rank on a
-recovery's path (benchmarks/LOG.md, 2026-12-08). The collector is paused for the import only, through
-``gc``'s public switch, and left as it was found: a process that turned it off keeps it off.
+``torch._dynamo.utils``), creates about half a million objects and almost no garbage, yet on Python 3.11 the
+collector runs ~650 times while they are made, the later passes over everything made so far. Paused, a
+rank's imports take 7-10 % less CPU (benchmarks/LOG.md, 2026-12-08): paid by every rank at its start, and by
+a replacement rank on a recovery's path. The collector is paused for the import only, through ``gc``'s
+public switch, and left as it was found: a process that turned it off keeps it off.
 """
 
 from __future__ import annotations

@@ -191,7 +191,7 @@ class _WorkerActor:
 @cache
 def _import_dynamo() -> None:
     try:
-        with gc_paused():  # a third less CPU (cluster.core.imports)
+        with gc_paused():  # less CPU without the collector (cluster.core.imports)
             import torch._dynamo  # noqa: F401
     except Exception as exc:  # setup imports it again (and raises there if it must)
         logger.warning("importing torch._dynamo ahead of DDP failed: %s", exc)

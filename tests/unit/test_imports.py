@@ -30,7 +30,7 @@ def test_a_worker_imports_neither_the_driver_nor_pyarrow_and_the_api_still_resol
 
 def test_a_rank_s_heavy_imports_run_without_the_garbage_collector_and_leave_it_on() -> None:
     """torch's import (in ``import cluster``) and torch._dynamo's (which DDP's constructor needs, imported
-    ahead by the actor) are a rank's start: the collector ran ~650 times through them, a third of their
+    ahead by the actor) are a rank's start: the collector ran ~650 times through them, 7-10 % of their
     CPU (benchmarks/LOG.md, 2026-12-08). Paused, it runs a few times at most (before the pause, or an
     explicit ``gc.collect`` of a library): 375 times in ``import cluster`` without it; on after, as before."""
     code = (
