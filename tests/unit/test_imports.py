@@ -52,7 +52,6 @@ def test_a_rank_s_heavy_imports_run_without_the_garbage_collector_and_leave_it_o
     assert in_cluster < 20 and in_dynamo < 20, (in_cluster, in_dynamo)
 
 
-@pytest.mark.unit
 def test_gc_paused_turns_the_collector_off_inside_and_leaves_it_as_it_was() -> None:
     import gc
 
