@@ -51,12 +51,14 @@ def unused(reports: list[RankReport | None], spares: Collection[int] = ()) -> li
     placeholder rank 0). Each was never set up nor given an epoch, and its rank number is held by a rank of
     the group that was, or it is one of ``spares`` (the indices of the processes named as hot spares). They
     are no part of the group: the next driver ends them (and makes its own spare and move, seeing the same
-    drain notice)."""
+    drain notice). A process named as a hot spare that did not answer (still starting on a loaded machine)
+    is ended too: were it a rank by now, the group then lacks that rank and ``refusal`` says so."""
     held = {r.rank for r in reports if r is not None and r.info is not None}
     return [
         i
         for i, r in enumerate(reports)
-        if r is not None and r.info is None and r.dispatched is None and (r.rank in held or i in spares)
+        if (r is None and i in spares)
+        or (r is not None and r.info is None and r.dispatched is None and (r.rank in held or i in spares))
     ]
 
 

@@ -161,6 +161,13 @@ def test_a_hot_spare_that_became_a_rank_is_counted_in_the_dead_rank_s_bundle() -
     # the ranks all died and only the idle spare is left: it is set aside too (nothing to adopt, no refusal)
     assert unused([idle_spare], spares=[0]) == [0]
     assert unused([idle_spare]) == []  # the same report not named as a spare: a rank never set up
+    # a spare that did not answer (still starting, on a loaded machine) is set aside; the ranks are adopted
+    assert unused([_report(0), _report(1), None], spares=[2]) == [2]
+    assert refusal([_report(0), _report(1)], "k", 1) is None
+    # had it become rank 1, the group lacks rank 1 once it is set aside: refused, as any missing rank
+    assert unused([_report(0), None], spares=[1]) == [1]
+    assert "not each of 0..1 once" in str(refusal([_report(0)], "k", 1))
+    assert unused([_report(0), None]) == []  # a rank that did not answer, not a spare: refused, not dropped
 
 
 def test_the_steps_the_adopted_ranks_skip_are_the_next_driver_s_and_must_agree() -> None:
