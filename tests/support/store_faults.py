@@ -193,11 +193,9 @@ def walk(backend: Backend, scenario: Scenario) -> list[str]:
     The run ``scenario.setup`` builds is built once, as a template; each walk starts on a copy of it (the
     same bytes, so what verified before and the bytes kept aside are the template's)."""
     template = backend.new_root()
-    scenario.setup(CheckpointStore(backend.storage(template)))
-    before, originals = (
-        verified_steps(backend.storage(template)),
-        _originals(backend.storage(template), scenario),
-    )
+    built = backend.storage(template)
+    scenario.setup(CheckpointStore(built))
+    before, originals = verified_steps(built), _originals(built, scenario)
     root = backend.clone(template)
     healthy = backend.storage(root)
     counter = Faults()
